@@ -1,0 +1,238 @@
+"""Lossless verification: batched rejection sampling with a bonus token (DESIGN.md section 5).
+
+Glossary
+- anchor token x0: the last token already produced; the target sees it first in every round.
+- draft tokens x_1..x_l: the l_r tokens admitted for verification for request r (l_r = 0 allowed:
+  an ordinary decoding step).
+- draft distribution p^d_k: exactly the distribution x_k was sampled from (after temperature,
+  top-k, truncation), dense [V] or sparse (indices, probabilities).
+- target distribution p^t_k: the target's distribution at draft position k after the request's
+  sampling transform (dspark.sampling.probs_from_logits); row k of the l_r + 1 target rows.
+- accepted tokens: x_k is accepted with probability min(1, p^t_k(x_k) / p^d_k(x_k)), in order,
+  until the first rejection.
+- recovered token: at the first rejected position k, a token drawn from
+  normalise(max(p^t_k - p^d_k, 0)); the round ends there.
+- bonus token: when all l_r drafts are accepted, a token drawn from p^t_{l_r + 1}.
+Output of a round for request r: the accepted drafts, then the recovered or bonus token, so every
+round produces between 1 and l_r + 1 tokens, distributed exactly as the target would produce them.
+Greedy requests (temperature 0) have one-hot target rows, for which the same rule reduces to
+"accept iff x_k = argmax, next token = argmax", independent of the random draws.
+
+Flattened batch layout (no padding): request r owns draft rows
+[draft_start[r], draft_start[r] + l_r) of `draft_tokens`/`draft_probs`, and target rows
+[draft_start[r] + r, draft_start[r] + r + l_r + 1) of `target_logits`.
+
+Randomness is explicit (`RandomDraws`): one uniform per draft for the accept test and one per
+request for the recovered/bonus sample, so the batched `verify` and the per-request
+`verify_reference` can be held equal on the same draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+
+
+@dataclass
+class SparseDraftProbs:
+    """A draft distribution stored as its support: each row sums to 1 over `indices`."""
+
+    indices: torch.Tensor  # [num_drafts, k] int64 token ids
+    probs: torch.Tensor  # [num_drafts, k] float
+
+    def prob_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """p^d(token) per row; tokens [num_drafts] -> [num_drafts] (0 where not in the support)."""
+        hit = self.indices == tokens.unsqueeze(1)  # [num_drafts, k]
+        return (self.probs.float() * hit).sum(dim=1)
+
+    def dense_rows(self, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Dense p^d for the given rows: rows [n] -> [n, vocab_size] float32."""
+        out = torch.zeros(rows.shape[0], vocab_size, dtype=torch.float32, device=self.probs.device)
+        return out.scatter_add_(1, self.indices[rows], self.probs[rows].float())
+
+
+DraftProbs = Union[torch.Tensor, SparseDraftProbs]
+
+
+@dataclass
+class VerifyBatch:
+    """Everything one verification step needs, for all requests at once."""
+
+    draft_tokens: torch.Tensor  # [num_drafts] int64, requests in order
+    draft_lens: torch.Tensor  # [num_requests] int64, l_r >= 0
+    draft_probs: DraftProbs  # [num_drafts, vocab_size] dense, or SparseDraftProbs
+    target_logits: torch.Tensor  # [num_drafts + num_requests, vocab_size]
+    sampling: Sequence[SamplingParams]  # [num_requests]
+
+    def __post_init__(self) -> None:
+        num_requests = self.draft_lens.shape[0]
+        num_drafts = int(self.draft_lens.sum())
+        if self.draft_tokens.shape != (num_drafts,):
+            raise ValueError(f"draft_tokens has shape {tuple(self.draft_tokens.shape)}, "
+                             f"expected ({num_drafts},) = sum of draft_lens")
+        if bool((self.draft_lens < 0).any()):
+            raise ValueError("draft_lens must be >= 0")
+        if self.target_logits.shape[0] != num_drafts + num_requests:
+            raise ValueError(f"target_logits has {self.target_logits.shape[0]} rows, expected "
+                             f"{num_drafts + num_requests} (l_r + 1 per request)")
+        rows = (self.draft_probs.indices.shape[0] if isinstance(self.draft_probs, SparseDraftProbs)
+                else self.draft_probs.shape[0])
+        if rows != num_drafts:
+            raise ValueError(f"draft_probs has {rows} rows, expected {num_drafts}")
+        if len(self.sampling) != num_requests:
+            raise ValueError(f"{len(self.sampling)} sampling params for {num_requests} requests")
+
+    @property
+    def num_requests(self) -> int:
+        return self.draft_lens.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target_logits.shape[1]
+
+    def draft_start(self) -> torch.Tensor:
+        """[num_requests]: index of each request's first draft row."""
+        return torch.cumsum(self.draft_lens, 0) - self.draft_lens
+
+
+@dataclass
+class RandomDraws:
+    """The uniforms one verification consumes."""
+
+    accept_uniform: torch.Tensor  # [num_drafts] in [0, 1)
+    sample_uniform: torch.Tensor  # [num_requests] in [0, 1)
+
+
+@dataclass
+class VerifyResult:
+    num_accepted: torch.Tensor  # [num_requests] int64, 0..l_r
+    next_tokens: torch.Tensor  # [num_requests] int64: recovered token, or bonus when all accepted
+
+    def output_tokens(self, batch: VerifyBatch) -> list[list[int]]:
+        """Per request: the accepted drafts, then the recovered or bonus token."""
+        starts = batch.draft_start().tolist()
+        drafts = batch.draft_tokens.tolist()
+        return [drafts[s:s + n] + [t] for s, n, t in
+                zip(starts, self.num_accepted.tolist(), self.next_tokens.tolist())]
+
+
+def draw_uniforms(draft_lens: torch.Tensor,
+                  generators: torch.Generator | Sequence[torch.Generator | None] | None = None
+                  ) -> RandomDraws:
+    """Draw the uniforms for one verification.
+
+    generators: one generator (or None) for the whole batch, drawn in one vectorised call; or one
+    per request, where request r draws its l_r accept uniforms and then its sample uniform from
+    its own stream (None there = the global stream), so a seeded request's output does not depend
+    on which other requests share its batch.
+    """
+    num_requests = draft_lens.shape[0]
+    num_drafts = int(draft_lens.sum())
+    if generators is None or isinstance(generators, torch.Generator):
+        return RandomDraws(torch.rand(num_drafts, generator=generators),
+                           torch.rand(num_requests, generator=generators))
+    if len(generators) != num_requests:
+        raise ValueError(f"{len(generators)} generators for {num_requests} requests")
+    accept, sample = [], []
+    for n, g in zip(draft_lens.tolist(), generators):
+        accept.append(torch.rand(n, generator=g))
+        sample.append(torch.rand(1, generator=g))
+    return RandomDraws(torch.cat(accept) if accept else torch.zeros(0), torch.cat(sample))
+
+
+def draft_prob_of_tokens(draft_probs: DraftProbs, tokens: torch.Tensor) -> torch.Tensor:
+    """p^d_k(x_k) for every draft row: [num_drafts]."""
+    if isinstance(draft_probs, SparseDraftProbs):
+        return draft_probs.prob_of(tokens)
+    return draft_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).float()
+
+
+def dense_draft_rows(draft_probs: DraftProbs, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Dense p^d for selected draft rows: rows [n] -> [n, vocab_size]."""
+    if isinstance(draft_probs, SparseDraftProbs):
+        return draft_probs.dense_rows(rows, vocab_size)
+    return draft_probs[rows].float()
+
+
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """normalise(max(p^t - p^d, 0)) row-wise: [n, V], [n, V] -> [n, V].
+
+    A rejection can only happen where p^t(x) < p^d(x), which makes the residual mass positive; a
+    row whose residual vanishes in floating point falls back to p^t (it is reached with
+    probability zero).
+    """
+    residual = (target_probs - draft_probs).clamp_min(0.0)  # [n, V]
+    mass = residual.sum(dim=1, keepdim=True)  # [n, 1]
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_probs)
+
+
+def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
+    """Batched lossless rejection sampling over a flattened batch (the fast path)."""
+    draft_lens = batch.draft_lens
+    num_requests, vocab_size = batch.num_requests, batch.vocab_size
+    device = batch.target_logits.device
+    request_ids = torch.arange(num_requests, device=device)
+    draft_start = batch.draft_start()  # [num_requests]
+    req_of_draft = torch.repeat_interleave(request_ids, draft_lens)  # [num_drafts]
+    draft_rows = torch.arange(req_of_draft.shape[0], device=device)  # [num_drafts]
+    pos_in_request = draft_rows - draft_start[req_of_draft]  # [num_drafts], 0-based k-1
+    target_row_of_draft = draft_rows + req_of_draft  # [num_drafts]
+
+    sampling = SamplingTensors.from_params(batch.sampling, repeats=draft_lens + 1, device=device)
+    target_probs = probs_from_logits(batch.target_logits, sampling)  # [num_drafts + R, V]
+
+    # Accept x_k iff u_k < p^t_k(x_k) / p^d_k(x_k), written without the division.
+    p_target = target_probs[target_row_of_draft].gather(
+        1, batch.draft_tokens.unsqueeze(1)).squeeze(1)  # [num_drafts]
+    p_draft = draft_prob_of_tokens(batch.draft_probs, batch.draft_tokens)  # [num_drafts]
+    if bool((p_draft <= 0).any()):
+        raise ValueError("a draft token has zero probability under its draft distribution: "
+                         "draft_probs must be the distribution the token was sampled from")
+    accepted = draws.accept_uniform.to(device) * p_draft < p_target  # [num_drafts]
+
+    # Accepted prefix length = position of the first rejection (l_r when none).
+    reject_pos = torch.where(accepted, draft_lens[req_of_draft], pos_in_request)  # [num_drafts]
+    num_accepted = draft_lens.clone().scatter_reduce_(0, req_of_draft, reject_pos, reduce="amin")
+
+    # The next token comes from the residual at the first rejection, or from p^t_{l+1} (bonus).
+    next_rows = draft_start + num_accepted + request_ids  # [num_requests] target rows
+    next_dist = target_probs[next_rows]  # [num_requests, V]
+    rejected = num_accepted < draft_lens  # [num_requests]
+    if bool(rejected.any()):
+        rejected_draft_rows = (draft_start + num_accepted)[rejected]
+        next_dist[rejected] = residual_distribution(
+            next_dist[rejected], dense_draft_rows(batch.draft_probs, rejected_draft_rows, vocab_size))
+    next_tokens = sample_from_probs(next_dist, draws.sample_uniform.to(device))
+    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+
+
+def verify_reference(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
+    """Slow, obviously-correct per-request loop: DESIGN.md section 5 read literally."""
+    vocab_size = batch.vocab_size
+    num_accepted, next_tokens = [], []
+    draft_row = 0
+    for r, (n, params) in enumerate(zip(batch.draft_lens.tolist(), batch.sampling)):
+        target_row = draft_row + r
+        rows = SamplingTensors.from_params([params] * (n + 1))
+        p_t = probs_from_logits(batch.target_logits[target_row:target_row + n + 1], rows)  # [n+1, V]
+        accepted = 0
+        next_dist = p_t[n]  # bonus, unless a rejection happens first
+        for k in range(n):
+            x = int(batch.draft_tokens[draft_row + k])
+            p_d = dense_draft_rows(batch.draft_probs, torch.tensor([draft_row + k]), vocab_size)[0]
+            # float32, like the fast path: u * p^d(x) < p^t(x)  <=>  u < p^t(x) / p^d(x)
+            if bool(draws.accept_uniform[draft_row + k].float() * p_d[x] < p_t[k, x]):
+                accepted += 1
+                continue
+            next_dist = residual_distribution(p_t[k:k + 1], p_d.unsqueeze(0))[0]
+            break
+        token = sample_from_probs(next_dist.unsqueeze(0), draws.sample_uniform[r:r + 1])
+        num_accepted.append(accepted)
+        next_tokens.append(int(token))
+        draft_row += n
+    return VerifyResult(torch.tensor(num_accepted, dtype=torch.int64),
+                        torch.tensor(next_tokens, dtype=torch.int64))

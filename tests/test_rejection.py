@@ -1,0 +1,297 @@
+"""Lossless verification (dspark.rejection): known answers, fast path == reference, and
+statistical tests of the joint output distribution that a real bias would fail.
+
+The statistical tests simulate whole speculative generations of 3 tokens with a toy target and a
+toy drafter, both order-2 Markov models over a 5-token vocabulary (so the target at position k
+depends on the tokens before it), for 200,000 trials per run in one flattened batch, with random
+verification lengths 0..gamma chosen independently of the tokens. The joint distribution of the
+first 3 output tokens (125 cells) is compared with the target's exact distribution by a
+chi-square test. Two deliberately wrong verifiers must fail the same test.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dspark.rejection import (
+    RandomDraws,
+    SparseDraftProbs,
+    VerifyBatch,
+    VerifyResult,
+    draw_uniforms,
+    verify,
+    verify_reference,
+)
+from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+
+V = 5  # toy vocabulary
+BOS = V  # context index used before the first token
+GAMMA = 2
+NUM_TRIALS = 200_000
+P_VALUE_OK = 1e-3  # a right verifier fails this 1 time in 1000 (and the seeds are fixed)
+P_VALUE_BIASED = 1e-8  # a wrong verifier must be far out
+
+
+def one_hot_logits(token: int, vocab: int = 8) -> torch.Tensor:
+    row = torch.full((vocab,), -100.0)
+    row[token] = 100.0
+    return row
+
+
+# ---------------------------------------------------------------- constructed cases
+
+
+def test_known_answers_in_one_mixed_batch():
+    vocab = 8
+    greedy = SamplingParams(temperature=0.0)
+    sampled = SamplingParams(temperature=1.0)
+    one_hot = torch.eye(vocab)
+    # request 0: no drafts (a plain decode step): the next token is the target's.
+    # request 1: 3 drafts all equal to the target's certain choice: all accepted + bonus.
+    # request 2: 2 drafts, the first impossible under the target: rejected, recovered = target's.
+    # request 3: greedy, 2 drafts, second differs from argmax: 1 accepted, next = argmax.
+    draft_tokens = torch.tensor([1, 2, 3, 6, 0, 4, 5])
+    draft_lens = torch.tensor([0, 3, 2, 2])
+    draft_probs = one_hot[draft_tokens] * 0.5 + 0.5 / vocab  # every draft token has mass
+    target_logits = torch.stack([
+        one_hot_logits(7),  # r0 bonus
+        one_hot_logits(1), one_hot_logits(2), one_hot_logits(3), one_hot_logits(5),  # r1
+        one_hot_logits(2), one_hot_logits(0), one_hot_logits(0),  # r2: x1=6 impossible
+        one_hot_logits(4), one_hot_logits(1), one_hot_logits(2),  # r3: x1=4 ok, x2=5 != 1
+    ])
+    batch = VerifyBatch(draft_tokens, draft_lens, draft_probs, target_logits,
+                        [sampled, sampled, sampled, greedy])
+    for draws in [RandomDraws(torch.full((7,), 0.999), torch.full((4,), 0.5)),
+                  RandomDraws(torch.zeros(7), torch.full((4,), 0.001))]:
+        for fn in (verify, verify_reference):
+            result = fn(batch, draws)
+            assert result.num_accepted.tolist() == [0, 3, 0, 1]
+            assert result.output_tokens(batch) == [[7], [1, 2, 3, 5], [2], [4, 1]]
+
+
+def test_greedy_ignores_the_random_draws():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 6, generator=g)
+    argmax = logits.argmax(1)
+    drafts = torch.tensor([int(argmax[0]), int(argmax[1]), (int(argmax[2]) + 1) % 6])
+    batch = VerifyBatch(drafts, torch.tensor([3]), torch.eye(6)[drafts], logits,
+                        [SamplingParams(temperature=0)])
+    for seed in range(5):
+        result = verify(batch, draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(seed)))
+        assert result.output_tokens(batch) == [[int(argmax[0]), int(argmax[1]), int(argmax[2])]]
+
+
+def test_invalid_batches_name_the_problem():
+    with pytest.raises(ValueError, match="target_logits"):
+        VerifyBatch(torch.tensor([1]), torch.tensor([1]), torch.eye(4)[[1]], torch.zeros(1, 4),
+                    [SamplingParams()])
+    with pytest.raises(ValueError, match="draft_tokens"):
+        VerifyBatch(torch.tensor([1, 2]), torch.tensor([1]), torch.eye(4)[[1]], torch.zeros(2, 4),
+                    [SamplingParams()])
+    batch = VerifyBatch(torch.tensor([1]), torch.tensor([1]), torch.eye(4)[[2]], torch.zeros(2, 4),
+                        [SamplingParams()])
+    with pytest.raises(ValueError, match="zero probability"):
+        verify(batch, draw_uniforms(batch.draft_lens))
+
+
+# ---------------------------------------------------------------- fast path == reference
+
+
+def random_batch(seed: int, num_requests: int, vocab: int, sparse_k: int | None) -> VerifyBatch:
+    g = torch.Generator().manual_seed(seed)
+    draft_lens = torch.randint(0, 5, (num_requests,), generator=g)
+    num_drafts = int(draft_lens.sum())
+    menu = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.7, top_k=4), SamplingParams(temperature=1.2, top_p=0.8)]
+    sampling = [menu[i] for i in torch.randint(0, 4, (num_requests,), generator=g).tolist()]
+    draft_logits = torch.randn(num_drafts, vocab, generator=g) * 2
+    if sparse_k is None:
+        probs = torch.softmax(draft_logits, 1)
+        tokens = sample_from_probs(probs, torch.rand(num_drafts, generator=g))
+        draft_probs = probs
+    else:
+        top = torch.topk(draft_logits, sparse_k, dim=1)
+        probs = torch.softmax(top.values, 1)
+        local = sample_from_probs(probs, torch.rand(num_drafts, generator=g))
+        tokens = top.indices.gather(1, local.unsqueeze(1)).squeeze(1)
+        draft_probs = SparseDraftProbs(top.indices, probs)
+    # Target logits close to the draft's so that acceptances and rejections both happen often.
+    target_logits = torch.randn(num_drafts + num_requests, vocab, generator=g) * 2
+    return VerifyBatch(tokens, draft_lens, draft_probs, target_logits, sampling)
+
+
+@pytest.mark.parametrize("sparse_k", [None, 6])
+def test_batched_equals_reference_on_the_same_draws(sparse_k):
+    for seed in range(20):
+        batch = random_batch(seed, num_requests=9, vocab=17, sparse_k=sparse_k)
+        draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(100 + seed))
+        fast, slow = verify(batch, draws), verify_reference(batch, draws)
+        assert fast.num_accepted.tolist() == slow.num_accepted.tolist()
+        assert fast.next_tokens.tolist() == slow.next_tokens.tolist()
+
+
+def test_per_request_generators_make_a_request_independent_of_its_batch():
+    batch = random_batch(7, num_requests=6, vocab=17, sparse_k=None)
+    gens = lambda: [torch.Generator().manual_seed(1000 + r) for r in range(6)]
+    full = verify(batch, draw_uniforms(batch.draft_lens, gens())).output_tokens(batch)
+    # Request 4 alone, with its own generator seeded the same way, gives the same tokens.
+    start = int(batch.draft_lens[:4].sum())
+    n = int(batch.draft_lens[4])
+    alone = VerifyBatch(batch.draft_tokens[start:start + n], batch.draft_lens[4:5],
+                        batch.draft_probs[start:start + n],
+                        batch.target_logits[start + 4:start + 4 + n + 1], [batch.sampling[4]])
+    draws = draw_uniforms(alone.draft_lens, [torch.Generator().manual_seed(1004)])
+    assert verify(alone, draws).output_tokens(alone) == [full[4]]
+
+
+# ---------------------------------------------------------------- statistical exactness
+
+
+@dataclass
+class ToyModels:
+    target_logits: torch.Tensor  # [V + 1, V + 1, V]: logits of the next token given (prev2, prev1)
+    draft_logits: torch.Tensor  # same shape, a different model
+
+
+def toy_models(seed: int = 0) -> ToyModels:
+    g = torch.Generator().manual_seed(seed)
+    return ToyModels(torch.randn(V + 1, V + 1, V, generator=g) * 1.2,
+                     torch.randn(V + 1, V + 1, V, generator=g) * 1.2)
+
+
+def table_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    flat = logits.reshape(-1, V)
+    return probs_from_logits(flat, SamplingTensors.from_params([params] * flat.shape[0])).reshape(
+        logits.shape)
+
+
+def exact_joint(models: ToyModels, target: SamplingParams) -> torch.Tensor:
+    """P(y1, y2, y3) under the target with its sampling transform: [V**3], float64."""
+    p = table_probs(models.target_logits, target).double()
+    joint = p[BOS, BOS][:, None, None] * p[BOS, :V][:, :, None] * p[:V, :V]  # [V, V, V]
+    return joint.reshape(-1)
+
+
+def simulate(models: ToyModels, target: SamplingParams, *, draft_sample_temperature: float = 1.0,
+             reported_draft_temperature: float | None = None, sparse_top_k: int | None = None,
+             verifier=verify, seed: int = 0, num_trials: int = NUM_TRIALS) -> torch.Tensor:
+    """Run speculative generation until every trial has >= 3 tokens; return the first 3 as codes.
+
+    The drafter samples each block token from its own model at `draft_sample_temperature`
+    (optionally top-k truncated and shipped sparse). `reported_draft_temperature`, when set, makes
+    the drafter *report* a different distribution than the one it sampled from (a bug).
+    """
+    g = torch.Generator().manual_seed(seed)
+    n = num_trials
+    trial = torch.arange(n)
+    seq = torch.full((n, 2 + 3 * (GAMMA + 1)), BOS, dtype=torch.int64)  # BOS BOS y1 y2 ...
+    produced = torch.zeros(n, dtype=torch.int64)
+    draft_params = SamplingParams(temperature=draft_sample_temperature, top_k=sparse_top_k or 0)
+    q_table = table_probs(models.draft_logits, draft_params)  # [V+1, V+1, V]
+    reported = q_table if reported_draft_temperature is None else table_probs(
+        models.draft_logits, SamplingParams(temperature=reported_draft_temperature))
+    while int(produced.min()) < 3:
+        prev2, prev1 = seq[trial, produced], seq[trial, produced + 1]  # last two (BOS-padded)
+        ctx = [(prev2, prev1)]
+        drafts, draft_probs = [], []
+        for _ in range(GAMMA):
+            q = q_table[ctx[-1][0], ctx[-1][1]]  # [n, V]
+            x = sample_from_probs(q, torch.rand(n, generator=g))
+            drafts.append(x)
+            draft_probs.append(reported[ctx[-1][0], ctx[-1][1]])
+            ctx.append((ctx[-1][1], x))
+        drafts_t = torch.stack(drafts, 1)  # [n, GAMMA]
+        draft_probs_t = torch.stack(draft_probs, 1)  # [n, GAMMA, V]
+        target_rows = torch.stack([models.target_logits[a, b] for a, b in ctx], 1)  # [n, GAMMA+1, V]
+        lens = torch.randint(0, GAMMA + 1, (n,), generator=g)  # chosen independently of the tokens
+        pos = torch.arange(GAMMA + 1)
+        draft_mask = pos[:GAMMA].unsqueeze(0) < lens.unsqueeze(1)  # [n, GAMMA]
+        target_mask = pos.unsqueeze(0) <= lens.unsqueeze(1)  # [n, GAMMA+1]
+        if sparse_top_k is None:
+            probs_arg = draft_probs_t[draft_mask]
+        else:
+            top = torch.topk(draft_probs_t[draft_mask], sparse_top_k, dim=1)
+            probs_arg = SparseDraftProbs(top.indices, top.values)
+        batch = VerifyBatch(drafts_t[draft_mask], lens, probs_arg, target_rows[target_mask],
+                            [target] * n)
+        result = verifier(batch, draw_uniforms(lens, g))
+        accepted = result.num_accepted
+        for j in range(GAMMA):
+            m = j < accepted
+            seq[trial[m], 2 + produced[m] + j] = drafts_t[m, j]
+        seq[trial, 2 + produced + accepted] = result.next_tokens
+        produced += accepted + 1
+    y = seq[:, 2:5]
+    return y[:, 0] * V * V + y[:, 1] * V + y[:, 2]
+
+
+def chi_square_p_value(codes: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    observed = torch.bincount(codes, minlength=V ** 3).double()
+    possible = expected_probs > 0
+    assert float(observed[~possible].sum()) == 0, "a token sequence of target probability 0 appeared"
+    expected = expected_probs[possible] / expected_probs[possible].sum() * observed.sum()
+    return float(chisquare(observed[possible].numpy(), expected.numpy()).pvalue)
+
+
+def verifier_without_residual(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
+    """WRONG on purpose: after a rejection it resamples from p^t instead of max(p^t - p^d, 0)."""
+    right = verify(batch, draws)
+    rows = batch.draft_start() + right.num_accepted + torch.arange(batch.num_requests)
+    p_t = probs_from_logits(batch.target_logits[rows],
+                            SamplingTensors.from_params(batch.sampling))
+    return VerifyResult(right.num_accepted, sample_from_probs(p_t, draws.sample_uniform))
+
+
+MODELS = toy_models()
+PLAIN = SamplingParams(temperature=1.0)
+
+
+def test_output_distribution_is_exactly_the_targets():
+    codes = simulate(MODELS, PLAIN, seed=1)
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) > P_VALUE_OK
+
+
+def test_the_test_has_power_wrong_draft_distribution_fails():
+    # The drafter samples at temperature 0.6 but reports its temperature-1 distribution.
+    codes = simulate(MODELS, PLAIN, draft_sample_temperature=0.6, reported_draft_temperature=1.0,
+                     seed=2)
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) < P_VALUE_BIASED
+
+
+def test_the_test_has_power_missing_residual_fails():
+    codes = simulate(MODELS, PLAIN, verifier=verifier_without_residual, seed=3)
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) < P_VALUE_BIASED
+
+
+@pytest.mark.parametrize("target", [
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.0, top_k=3),
+    SamplingParams(temperature=1.4, top_p=0.75),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+], ids=["temperature", "top_k", "top_p", "all_three"])
+def test_preserved_distribution_is_the_transformed_target(target):
+    codes = simulate(MODELS, target, draft_sample_temperature=target.temperature, seed=4)
+    assert chi_square_p_value(codes, exact_joint(MODELS, target)) > P_VALUE_OK
+    # ... and not the untransformed one.
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) < P_VALUE_BIASED
+
+
+def test_sparse_draft_distributions_are_exact():
+    # The drafter samples from its top-3 truncation and ships it sparsely.
+    codes = simulate(MODELS, PLAIN, sparse_top_k=3, seed=5)
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) > P_VALUE_OK
+
+
+def test_sparse_and_dense_give_identical_outputs_on_the_same_draws():
+    for seed in range(5):
+        sparse_batch = random_batch(seed, num_requests=12, vocab=17, sparse_k=5)
+        sp = sparse_batch.draft_probs
+        dense = torch.zeros(sp.indices.shape[0], 17).scatter_(1, sp.indices, sp.probs)
+        dense_batch = VerifyBatch(sparse_batch.draft_tokens, sparse_batch.draft_lens, dense,
+                                  sparse_batch.target_logits, sparse_batch.sampling)
+        draws = draw_uniforms(sparse_batch.draft_lens, torch.Generator().manual_seed(seed))
+        a, b = verify(sparse_batch, draws), verify(dense_batch, draws)
+        assert a.num_accepted.tolist() == b.num_accepted.tolist()
+        assert a.next_tokens.tolist() == b.next_tokens.tolist()

@@ -1,0 +1,94 @@
+"""dspark.sampling against a brute-force per-row reference."""
+
+import pytest
+import torch
+
+from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+
+
+def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
+    """The sampling transform written as plainly as possible, one row, in float64."""
+    vocab = len(logits)
+    if params.temperature == 0:
+        best = max(range(vocab), key=lambda i: (logits[i], -i))
+        return [1.0 if i == best else 0.0 for i in range(vocab)]
+    scaled = [x / params.temperature for x in logits]
+    keep = set(range(vocab))
+    if 0 < params.top_k < vocab:
+        kth = sorted(scaled, reverse=True)[params.top_k - 1]
+        keep = {i for i in keep if scaled[i] >= kth}
+    m = max(scaled[i] for i in keep)
+    weights = {i: torch.tensor(scaled[i] - m, dtype=torch.float64).exp().item() for i in keep}
+    total = sum(weights.values())
+    probs = {i: w / total for i, w in weights.items()}
+    if params.top_p < 1.0:
+        order = sorted(probs, key=lambda i: -probs[i])
+        kept, mass = [], 0.0
+        for i in order:
+            if mass >= params.top_p and kept:
+                break
+            kept.append(i)
+            mass += probs[i]
+        total = sum(probs[i] for i in kept)
+        probs = {i: probs[i] / total for i in kept}
+    return [probs.get(i, 0.0) for i in range(vocab)]
+
+
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=1.3, top_k=3),
+    SamplingParams(temperature=0.8, top_p=0.7),
+    SamplingParams(temperature=1.0, top_k=5, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=50),  # top_k >= vocab: no filter
+]
+
+
+def test_probs_match_reference_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(PARAMS) * 4, 11, generator=g) * 2
+    params = [p for p in PARAMS for _ in range(4)]
+    probs = probs_from_logits(logits, SamplingTensors.from_params(params))
+    for row, p in enumerate(params):
+        expected = torch.tensor(reference_probs(logits[row].tolist(), p), dtype=torch.float64)
+        torch.testing.assert_close(probs[row].double(), expected, atol=1e-6, rtol=1e-5)
+        assert abs(float(probs[row].sum()) - 1.0) < 1e-5
+
+
+def test_greedy_is_one_hot_at_argmax_lowest_index_on_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    probs = probs_from_logits(logits, SamplingTensors.from_params([SamplingParams(temperature=0)]))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_top_k_keeps_ties_and_top_p_never_empty():
+    logits = torch.tensor([[2.0, 2.0, 2.0, -1.0], [10.0, 0.0, 0.0, 0.0]])
+    sampling = SamplingTensors.from_params([SamplingParams(top_k=2), SamplingParams(top_p=0.01)])
+    probs = probs_from_logits(logits, sampling)
+    torch.testing.assert_close(probs[0], torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0]))
+    assert probs[1].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_invalid_params_name_the_problem():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)
+
+
+def test_inverse_cdf_sampling_is_exact_and_skips_zero_mass():
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    n = 200_000
+    g = torch.Generator().manual_seed(1)
+    tokens = sample_from_probs(probs.expand(n, -1), torch.rand(n, generator=g))
+    counts = torch.bincount(tokens, minlength=6).double() / n
+    assert counts[0] == counts[2] == counts[5] == 0
+    torch.testing.assert_close(counts, probs.double(), atol=4e-3, rtol=0)
+    # The extreme uniforms land on tokens that have mass.
+    edge = sample_from_probs(probs.expand(2, -1), torch.tensor([0.0, 1.0 - 1e-9]))
+    assert edge.tolist() == [1, 4]

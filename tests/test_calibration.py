@@ -1,0 +1,318 @@
+"""Tests of dspark/calibration.py: metrics against slow references, STS on synthetic data with known
+true probabilities (DESIGN.md sections 4 and 9)."""
+
+import json
+import math
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.calibration import (
+    CALIBRATION_FILENAME,
+    STSCalibration,
+    STSFitConfig,
+    brier_score,
+    calibration_report,
+    conditional_auc,
+    expected_calibration_error,
+    fit_sts,
+    plot_reliability,
+    roc_auc,
+    survival_from_accepted_len,
+)
+
+OVERCONFIDENCE = 2.5  # raw logit = 2.5 * true logit, so the ideal temperature is 2.5
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow references, written independently of the module's vectorised code
+
+
+def ece_reference(pred, obs, num_bins):
+    """Loop over bins with explicit edges [lo, hi), the last bin closed at 1."""
+    pred = [float(p) for p in pred]
+    obs = [float(o) for o in obs]
+    total = 0.0
+    for b in range(num_bins):
+        lo, hi = b / num_bins, (b + 1) / num_bins
+        last = b == num_bins - 1
+        members = [i for i, p in enumerate(pred) if lo <= p and (p < hi or (last and p <= 1.0))]
+        if not members:
+            continue
+        mean_p = sum(pred[i] for i in members) / len(members)
+        mean_o = sum(obs[i] for i in members) / len(members)
+        total += len(members) / len(pred) * abs(mean_p - mean_o)
+    return total
+
+
+def auc_reference(score, label):
+    """All positive/negative pairs: 1 if the positive scores higher, 1/2 on a tie."""
+    score = np.asarray(score, dtype=np.float64)
+    label = np.asarray(label, dtype=bool)
+    pos, neg = score[label], score[~label]
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return wins / (pos.size * neg.size)
+
+
+def synthetic(num_samples, gamma, seed, overconfidence=OVERCONFIDENCE):
+    """True per-position acceptance q ~ Beta(5, 1.5); raw confidence sigmoid(k * logit(q));
+    outcomes drawn position by position from q, so survival is the running product."""
+    rng = np.random.default_rng(seed)
+    q = rng.beta(5.0, 1.5, size=(num_samples, gamma))  # [num_samples, gamma]
+    c_raw = 1.0 / (1.0 + np.exp(-overconfidence * (np.log(q) - np.log1p(-q))))
+    accepted = rng.random((num_samples, gamma)) < q
+    survived = np.cumprod(accepted, axis=1).astype(bool)
+    return q, c_raw, survived
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    q, c_raw, survived = synthetic(30_000, 5, seed=1234)
+    return q, c_raw, survived, fit_sts(c_raw, survived)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+
+def test_ece_hand_computed():
+    # 2 bins: [0, 0.5) holds 0.1, 0.3 (obs 0, 1): |0.2 - 0.5| = 0.3, weight 2/5;
+    # [0.5, 1] holds 0.6, 0.8, 1.0 (obs 1, 1, 0): |0.8 - 2/3|, weight 3/5.
+    pred = [0.1, 0.3, 0.6, 0.8, 1.0]
+    obs = [0, 1, 1, 1, 0]
+    expected = 0.4 * 0.3 + 0.6 * abs(0.8 - 2.0 / 3.0)
+    assert expected_calibration_error(pred, obs, num_bins=2) == pytest.approx(expected, abs=1e-15)
+    # one bin: |mean pred - mean obs|
+    assert expected_calibration_error(pred, obs, num_bins=1) == pytest.approx(abs(0.56 - 0.6), abs=1e-15)
+
+
+def test_ece_bin_edges():
+    # 0.5 opens the upper bin of two; 1.0 belongs to the last bin; 0.0 to the first.
+    assert expected_calibration_error([0.5, 0.0], [1, 0], num_bins=2) == pytest.approx(0.25)
+    assert expected_calibration_error([0.5, 0.49], [1, 0], num_bins=2) == pytest.approx(0.5 * 0.5 + 0.5 * 0.49)
+    assert expected_calibration_error([1.0, 0.0], [1, 0], num_bins=15) == 0.0
+    assert expected_calibration_error([1.0, 0.0], [0, 1], num_bins=15) == 1.0
+    with pytest.raises(ValueError):
+        expected_calibration_error([1.2], [1])
+
+
+@pytest.mark.parametrize("num_bins", [1, 7, 15])
+def test_ece_matches_reference(num_bins):
+    rng = np.random.default_rng(num_bins)
+    pred = rng.random(2000) ** 2
+    obs = rng.random(2000) < pred * 0.8 + 0.1
+    got = expected_calibration_error(pred, obs, num_bins)
+    assert got == pytest.approx(ece_reference(pred, obs, num_bins), abs=1e-12)
+    # torch input, soft outcomes
+    soft = rng.random(2000)
+    got_t = expected_calibration_error(torch.from_numpy(pred), torch.from_numpy(soft), num_bins)
+    assert got_t == pytest.approx(ece_reference(pred, soft, num_bins), abs=1e-12)
+
+
+def test_auc_hand_computed_and_ties():
+    assert roc_auc([0.9, 0.8, 0.2, 0.1], [1, 1, 0, 0]) == 1.0
+    assert roc_auc([0.1, 0.2, 0.8, 0.9], [1, 1, 0, 0]) == 0.0
+    # pairs (pos, neg): (0.5,0.5) tie, (0.5,0.1) win, (0.3,0.5) loss, (0.3,0.1) win -> 2.5 / 4
+    assert roc_auc([0.5, 0.3, 0.5, 0.1], [1, 1, 0, 0]) == 0.625
+    assert math.isnan(roc_auc([0.1, 0.2], [1, 1]))
+
+
+def test_auc_matches_pairwise_reference():
+    rng = np.random.default_rng(7)
+    score = np.round(rng.random(1500), 2)  # coarse rounding: many ties
+    label = rng.random(1500) < 0.3 + 0.4 * score
+    assert roc_auc(score, label) == pytest.approx(auc_reference(score, label), abs=1e-14)
+    assert roc_auc(torch.from_numpy(score), torch.from_numpy(label)) == roc_auc(score, label)
+
+
+def test_brier():
+    pred = np.array([0.1, 0.7, 0.4])
+    obs = np.array([0, 1, 1])
+    assert brier_score(pred, obs) == pytest.approx((0.01 + 0.09 + 0.36) / 3, abs=1e-15)
+
+
+# ----------------------------------------------------------------------------------------------
+# Outcomes
+
+
+def test_survival_from_accepted_len():
+    surv = survival_from_accepted_len(np.array([0, 2, 3]), gamma=3)
+    np.testing.assert_array_equal(surv, [[0, 0, 0], [1, 1, 0], [1, 1, 1]])
+    with pytest.raises(ValueError):
+        survival_from_accepted_len(np.array([4]), gamma=3)
+
+
+def test_rejects_per_position_acceptance_matrix():
+    c = np.full((2, 3), 0.5)
+    with pytest.raises(ValueError, match="prefix-survival"):
+        fit_sts(c, np.array([[1, 0, 1], [1, 1, 1]], dtype=bool))
+
+
+# ----------------------------------------------------------------------------------------------
+# STS
+
+
+def test_sts_calibrates_overconfident_synthetic(fitted):
+    q, c_raw, survived, sts = fitted
+    report = calibration_report(c_raw, survived, sts)
+    for pos in report.positions:
+        assert pos.ece_after <= 0.015, pos
+        assert pos.ece_before >= 0.05, pos  # clearly over-confident before
+        assert pos.brier_after < pos.brier_before
+    # the truth is T = 2.5 at every position; the grid search must land near it
+    assert all(2.0 < t < 3.1 for t in sts.temperatures), sts.temperatures
+    # and the calibrated survival is close to the true survival probabilities
+    err = np.abs(sts.survival(c_raw) - np.cumprod(q, axis=1))
+    assert err.mean() < 0.03
+
+
+def test_sts_keeps_conditional_auc(fitted):
+    _, c_raw, survived, sts = fitted
+    calibrated = sts.apply(c_raw)
+    report = calibration_report(c_raw, survived, sts)
+    for k in range(1, c_raw.shape[1] + 1):
+        before = conditional_auc(c_raw, survived, k)
+        after = conditional_auc(calibrated, survived, k)
+        assert abs(before - after) <= 1e-12
+        assert report.positions[k - 1].auc_conditional == before
+        assert 0.6 < before < 0.9  # informative but imperfect ranking
+
+
+def test_sts_equals_brute_force_sequential_search():
+    # Independent reference: for each k, loop over the grid, score each T with ece_reference
+    # on the cumulative product built from the already-chosen temperatures.
+    _, c_raw, survived = synthetic(400, 3, seed=5)
+    grid = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0]
+    sts = fit_sts(c_raw, survived, grid=grid, config=STSFitConfig(num_refine=0))
+    logit = np.log(c_raw) - np.log1p(-c_raw)
+    prefix = np.ones(c_raw.shape[0])
+    chosen = []
+    for k in range(3):
+        scores = [ece_reference(prefix / (1 + np.exp(-logit[:, k] / t)), survived[:, k], 15) for t in grid]
+        best = grid[int(np.argmin(scores))]
+        chosen.append(best)
+        prefix = prefix / (1 + np.exp(-logit[:, k] / best))
+    assert sts.temperatures == chosen
+
+
+def test_sts_is_left_to_right():
+    # fitting more positions never changes the temperatures of earlier ones
+    _, c_raw, survived = synthetic(5000, 4, seed=9)
+    full = fit_sts(c_raw, survived)
+    first_two = fit_sts(c_raw[:, :2], survived[:, :2])
+    assert full.temperatures[:2] == first_two.temperatures
+
+
+def test_sts_accepted_len_equals_survival_matrix():
+    _, c_raw, survived = synthetic(3000, 4, seed=3)
+    accepted_len = survived.sum(axis=1)
+    a = fit_sts(c_raw, survived)
+    b = fit_sts(torch.from_numpy(c_raw), accepted_len=torch.from_numpy(accepted_len))
+    assert a.temperatures == b.temperatures
+
+
+def test_sts_underconfident_gets_temperature_below_one():
+    _, c_raw, survived = synthetic(8000, 2, seed=11, overconfidence=0.5)
+    sts = fit_sts(c_raw, survived)
+    assert all(0.35 < t < 0.7 for t in sts.temperatures), sts.temperatures
+
+
+# ----------------------------------------------------------------------------------------------
+# apply / persistence
+
+
+def test_apply_torch_matches_numpy_and_formula():
+    sts = STSCalibration([0.5, 2.0, 3.0])
+    gen = torch.Generator().manual_seed(0)
+    c = torch.rand(2, 4, 3, generator=gen, dtype=torch.float64)  # [..., gamma]
+    out = sts.apply(c)
+    assert isinstance(out, torch.Tensor) and out.shape == c.shape and out.dtype == torch.float64
+    logit = torch.log(c / (1 - c))
+    expected = 1 / (1 + torch.exp(-logit / torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64)))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(sts.apply(c.numpy()), out.numpy(), rtol=1e-12, atol=1e-14)
+    out32 = sts.apply(c.float())
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32, out.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sts.survival(c), torch.cumprod(out, dim=-1))
+
+
+def test_apply_clamps_extremes_and_half():
+    sts = STSCalibration([2.0, 0.5])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        c = torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=dtype)
+        out = sts.apply(c)
+        assert out.dtype == dtype
+        assert torch.isfinite(out.float()).all()
+        if dtype != torch.bfloat16:  # bf16 rounds 1 - 3.5e-4 to 1.0
+            assert (out[:, 0] > 0).all() and (out[:, 0] < 1).all()  # T=2 pulls inward
+    np.testing.assert_allclose(STSCalibration.identity(2).apply(np.array([0.3, 0.9])), [0.3, 0.9], rtol=1e-15)
+    with pytest.raises(ValueError):
+        sts.apply(torch.rand(3))
+    with pytest.raises(ValueError):
+        STSCalibration([1.0, -1.0])
+
+
+def test_json_round_trip(tmp_path, fitted):
+    _, c_raw, _, sts = fitted
+    file_path = tmp_path / "x.json"
+    sts.save(file_path)
+    loaded = STSCalibration.load(file_path)
+    assert loaded == sts
+    np.testing.assert_array_equal(loaded.apply(c_raw), sts.apply(c_raw))
+    assert json.loads(file_path.read_text())["temperatures"] == sts.temperatures
+    # a checkpoint directory gets calibration.json
+    sts.save(tmp_path)
+    assert (tmp_path / CALIBRATION_FILENAME).exists()
+    assert STSCalibration.load(tmp_path) == sts
+    with pytest.raises(ValueError):
+        STSCalibration.from_dict({"format": "other", "temperatures": [1.0]})
+
+
+# ----------------------------------------------------------------------------------------------
+# Report and diagram
+
+
+def test_report_matches_metrics(fitted):
+    _, c_raw, survived, sts = fitted
+    report = calibration_report(c_raw, survived, sts)
+    a_raw = np.cumprod(c_raw, axis=1)
+    a_cal = sts.survival(c_raw)
+    for k, pos in enumerate(report.positions):
+        assert pos.position == k + 1
+        assert pos.num_at_risk == (len(c_raw) if k == 0 else int(survived[:, k - 1].sum()))
+        assert pos.ece_before == expected_calibration_error(a_raw[:, k], survived[:, k])
+        assert pos.ece_after == expected_calibration_error(a_cal[:, k], survived[:, k])
+        assert pos.brier_after == brier_score(a_cal[:, k], survived[:, k])
+        assert pos.auc_prefix_after == roc_auc(a_cal[:, k], survived[:, k])
+    table = report.format_table()
+    assert len(table.splitlines()) == len(report.positions) + 2
+    assert json.loads(json.dumps(report.to_dict()))["temperatures"] == sts.temperatures
+
+
+def _png_size(data: bytes):
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    ihdr = data[16:29]
+    (crc,) = struct.unpack(">I", data[29:33])
+    assert zlib.crc32(b"IHDR" + ihdr) == crc
+    assert data.endswith(b"IEND\xaeB`\x82")
+    return struct.unpack(">II", ihdr[:8])
+
+
+def test_reliability_png(tmp_path, fitted):
+    _, c_raw, survived, sts = fitted
+    one = plot_reliability(tmp_path / "one.png", c_raw[:3000], survived[:3000], sts, positions=[2])
+    several = plot_reliability(tmp_path / "several.png", c_raw[:3000], survived[:3000], sts)
+    w1, h1 = _png_size(open(one, "rb").read())
+    w5, h5 = _png_size(open(several, "rb").read())
+    assert w1 > 100 and h1 > 100
+    assert w5 > w1  # one panel per position
+    raw_only = plot_reliability(tmp_path / "raw.png", c_raw[:3000], survived[:3000], None)
+    _png_size(open(raw_only, "rb").read())
+    with pytest.raises(ValueError):
+        plot_reliability(tmp_path / "bad.png", c_raw, survived, sts, positions=[0])

@@ -34,7 +34,13 @@ from typing import Sequence, Union
 
 import torch
 
-from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+from dspark.sampling import (
+    SamplingParams,
+    SamplingTensors,
+    probs_from_logits,
+    sample_from_probs,
+    token_probs_from_logits,
+)
 
 
 @dataclass
@@ -182,16 +188,15 @@ def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
     pos_in_request = draft_rows - draft_start[req_of_draft]  # [num_drafts], 0-based k-1
     target_row_of_draft = draft_rows + req_of_draft  # [num_drafts]
 
-    sampling = SamplingTensors.from_params(batch.sampling, repeats=draft_lens + 1, device=device)
-    target_probs = probs_from_logits(batch.target_logits, sampling)  # [num_drafts + R, V]
-
-    # Accept x_k iff u_k < p^t_k(x_k) / p^d_k(x_k), written without the division.
-    p_target = target_probs[target_row_of_draft].gather(
-        1, batch.draft_tokens.unsqueeze(1)).squeeze(1)  # [num_drafts]
+    # p^t_k(x_k) for every draft, without building the full distributions of accepted rows.
+    draft_sampling = SamplingTensors.from_params(batch.sampling, repeats=draft_lens, device=device)
+    p_target = token_probs_from_logits(batch.target_logits, batch.draft_tokens, draft_sampling,
+                                       rows=target_row_of_draft)  # [num_drafts]
     p_draft = draft_prob_of_tokens(batch.draft_probs, batch.draft_tokens)  # [num_drafts]
     if bool((p_draft <= 0).any()):
         raise ValueError("a draft token has zero probability under its draft distribution: "
                          "draft_probs must be the distribution the token was sampled from")
+    # Accept x_k iff u_k < p^t_k(x_k) / p^d_k(x_k), written without the division.
     accepted = draws.accept_uniform.to(device) * p_draft < p_target  # [num_drafts]
 
     # Accepted prefix length = position of the first rejection (l_r when none).
@@ -199,14 +204,24 @@ def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
     num_accepted = draft_lens.clone().scatter_reduce_(0, req_of_draft, reject_pos, reduce="amin")
 
     # The next token comes from the residual at the first rejection, or from p^t_{l+1} (bonus).
+    # Greedy requests: the argmax either way (a rejected greedy draft is never the argmax).
     next_rows = draft_start + num_accepted + request_ids  # [num_requests] target rows
-    next_dist = target_probs[next_rows]  # [num_requests, V]
-    rejected = num_accepted < draft_lens  # [num_requests]
-    if bool(rejected.any()):
-        rejected_draft_rows = (draft_start + num_accepted)[rejected]
-        next_dist[rejected] = residual_distribution(
-            next_dist[rejected], dense_draft_rows(batch.draft_probs, rejected_draft_rows, vocab_size))
-    next_tokens = sample_from_probs(next_dist, draws.sample_uniform.to(device))
+    request_sampling = SamplingTensors.from_params(batch.sampling, device=device)
+    greedy = request_sampling.temperature == 0.0  # [num_requests]
+    next_tokens = batch.target_logits[next_rows].argmax(dim=1)  # [num_requests]
+    sampled = ~greedy
+    if bool(sampled.any()):
+        sub = SamplingTensors(request_sampling.temperature[sampled], request_sampling.top_k[sampled],
+                              request_sampling.top_p[sampled])
+        next_dist = probs_from_logits(batch.target_logits[next_rows[sampled]], sub)  # [m, V]
+        rejected = (num_accepted < draft_lens)[sampled]  # [m]
+        if bool(rejected.any()):
+            rejected_draft_rows = (draft_start + num_accepted)[sampled][rejected]
+            next_dist[rejected] = residual_distribution(
+                next_dist[rejected],
+                dense_draft_rows(batch.draft_probs, rejected_draft_rows, vocab_size))
+        next_tokens[sampled] = sample_from_probs(next_dist,
+                                                 draws.sample_uniform.to(device)[sampled])
     return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
 
 

@@ -86,39 +86,109 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingTensors) -> torch.
     """
     num_rows, vocab_size = logits.shape
     assert sampling.temperature.shape == (num_rows,), (sampling.temperature.shape, num_rows)
-    logits = logits.float()
     greedy = sampling.temperature == 0.0  # [num_rows]
-    # Greedy rows get temperature 1 here and are overwritten with one-hot below.
-    temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-    scaled = logits / temperature.unsqueeze(1)  # [num_rows, vocab_size]
+    probs = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
+    if bool(greedy.any()):
+        rows = greedy.nonzero().squeeze(1)
+        probs[rows, logits[rows].argmax(dim=1)] = 1.0
+    if bool(greedy.all()):
+        return probs
+    sampled = ~greedy
+    all_sampled = bool(sampled.all())
+    sub = logits.float() if all_sampled else logits[sampled].float()  # [n, vocab_size]
+    temperature = sampling.temperature if all_sampled else sampling.temperature[sampled]
+    top_k = sampling.top_k if all_sampled else sampling.top_k[sampled]
+    top_p = sampling.top_p if all_sampled else sampling.top_p[sampled]
+    scaled = sub / temperature.unsqueeze(1)  # [n, vocab_size]
 
-    top_k = sampling.top_k
-    use_top_k = (top_k > 0) & (top_k < vocab_size) & ~greedy
+    use_top_k = (top_k > 0) & (top_k < vocab_size)
     if bool(use_top_k.any()):
         k_max = int(top_k[use_top_k].max())
-        kth_values = torch.topk(scaled[use_top_k], k_max, dim=1).values  # [n, k_max]
-        kth = kth_values.gather(1, (top_k[use_top_k] - 1).unsqueeze(1))  # [n, 1]
+        kth_values = torch.topk(scaled[use_top_k], k_max, dim=1).values  # [m, k_max]
+        kth = kth_values.gather(1, (top_k[use_top_k] - 1).unsqueeze(1))  # [m, 1]
         rows = scaled[use_top_k]
         scaled[use_top_k] = rows.masked_fill(rows < kth, float("-inf"))
 
-    probs = torch.softmax(scaled, dim=1)  # [num_rows, vocab_size]
-
-    use_top_p = (sampling.top_p < 1.0) & ~greedy
+    sub_probs = torch.softmax(scaled, dim=1)  # [n, vocab_size]
+    use_top_p = top_p < 1.0
     if bool(use_top_p.any()):
-        rows = probs[use_top_p]  # [n, vocab_size]
-        sorted_probs, order = torch.sort(rows, dim=1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=1) - sorted_probs  # [n, vocab_size]
-        drop_sorted = mass_before >= sampling.top_p[use_top_p].unsqueeze(1)
-        drop_sorted[:, 0] = False  # never empty
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        rows = rows.masked_fill(drop, 0.0)
-        probs[use_top_p] = rows / rows.sum(dim=1, keepdim=True)
-
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs[greedy])
-        one_hot.scatter_(1, logits[greedy].argmax(dim=1, keepdim=True), 1.0)
-        probs[greedy] = one_hot
+        sub_probs[use_top_p] = _top_p_filter(sub_probs[use_top_p], top_p[use_top_p])
+    if all_sampled:
+        return sub_probs
+    probs[sampled] = sub_probs
     return probs
+
+
+# The nucleus is searched among the TOP_P_CANDIDATES most probable tokens first (a partial sort);
+# only rows whose nucleus is wider than that pay for a full sort of the vocabulary.
+TOP_P_CANDIDATES = 256
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's nucleus and renormalise: probs [n, V], top_p [n] -> [n, V]."""
+    n, vocab_size = probs.shape
+    out = torch.zeros_like(probs)
+    k = min(vocab_size, TOP_P_CANDIDATES)
+    values, order = torch.topk(probs, k, dim=1)  # [n, k], descending
+    # A token outside the candidates has mass_before >= sum(values): dropped when that reaches top_p.
+    covered = values.sum(dim=1) >= top_p  # [n]
+    if k == vocab_size:
+        covered[:] = True
+    todo = ~covered
+    if bool(todo.any()):
+        values_full, order_full = torch.sort(probs[todo], dim=1, descending=True)
+        rows_values = torch.zeros(n, vocab_size, dtype=probs.dtype)
+        rows_order = torch.zeros(n, vocab_size, dtype=torch.int64)
+        rows_values[todo], rows_order[todo] = values_full, order_full
+        rows_values[covered, :k], rows_order[covered, :k] = values[covered], order[covered]
+        values, order = rows_values, rows_order
+    mass_before = torch.cumsum(values, dim=1) - values  # [n, k or V]
+    keep = mass_before < top_p.unsqueeze(1)
+    keep[:, 0] = True  # never empty
+    kept = values * keep
+    kept = kept / kept.sum(dim=1, keepdim=True)
+    return out.scatter_(1, order, kept)
+
+
+def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingTensors,
+                            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """p(token) under each row's sampling distribution, without materialising plain rows.
+
+    logits [num_logit_rows, V]; rows [n] selects the logit row of each token (None: row i for
+    token i); tokens [n]; sampling per token [n] -> [n] float32. Equal to
+    probs_from_logits(logits[rows], sampling).gather(1, tokens) up to float rounding. Greedy rows
+    take an argmax and plain rows a log-sum-exp, both over the whole logits matrix when one kind
+    covers every row (no copy of vocabulary-sized rows); top-k / top-p rows go through
+    probs_from_logits.
+    """
+    n = tokens.shape[0]
+    if rows is None:
+        rows = torch.arange(n, device=logits.device)
+    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    greedy = sampling.temperature == 0.0
+    filtered = ~greedy & (((sampling.top_k > 0) & (sampling.top_k < logits.shape[1]))
+                          | (sampling.top_p < 1.0))
+    plain = ~greedy & ~filtered
+    if bool(greedy.any()):
+        row_argmax = logits.argmax(dim=1)  # [num_logit_rows]
+        out[greedy] = (row_argmax[rows[greedy]] == tokens[greedy]).float()
+    if bool(plain.any()):
+        temps = sampling.temperature[plain]
+        if bool((temps == temps[0]).all()) and int(plain.sum()) * 2 >= logits.shape[0]:
+            scaled = logits.float() / temps[0]  # [num_logit_rows, V]: one pass, no gather copy
+            plain_rows = rows[plain]
+        else:
+            scaled = logits[rows[plain]].float() / temps.unsqueeze(1)  # [m, V]
+            plain_rows = torch.arange(scaled.shape[0], device=logits.device)
+        lse = torch.logsumexp(scaled, dim=1)  # [*]
+        picked = scaled[plain_rows, tokens[plain]]
+        out[plain] = torch.exp(picked - lse[plain_rows])
+    if bool(filtered.any()):
+        sub = SamplingTensors(sampling.temperature[filtered], sampling.top_k[filtered],
+                              sampling.top_p[filtered])
+        probs = probs_from_logits(logits[rows[filtered]], sub)
+        out[filtered] = probs.gather(1, tokens[filtered].unsqueeze(1)).squeeze(1)
+    return out
 
 
 def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -133,6 +203,11 @@ def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     target = (uniform.float() * cdf[:, -1]).unsqueeze(1)  # [num_rows, 1]
     # right=True: first index whose cdf is > target, so zero-probability tokens (flat cdf) are skipped.
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [num_rows]
-    # Rounding can put target at the very top of the cdf; fall back to the last token with mass.
-    last_nonzero = vocab_size - 1 - torch.argmax((probs.flip(1) > 0).to(torch.int8), dim=1)
-    return torch.minimum(tokens, last_nonzero)
+    # Rounding can put target at the very top of the cdf (index V) or, with a trailing run of
+    # zeros, on a token without mass; such rows fall back to their last token with mass.
+    tokens = tokens.clamp_max(vocab_size - 1)
+    bad = probs.gather(1, tokens.unsqueeze(1)).squeeze(1) <= 0  # [num_rows]
+    if bool(bad.any()):
+        last_nonzero = vocab_size - 1 - torch.argmax((probs[bad].flip(1) > 0).to(torch.int8), dim=1)
+        tokens[bad] = last_nonzero
+    return tokens

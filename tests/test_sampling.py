@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+from dspark.sampling import (
+    SamplingParams,
+    SamplingTensors,
+    probs_from_logits,
+    sample_from_probs,
+    token_probs_from_logits,
+)
 
 
 def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
@@ -92,3 +98,28 @@ def test_inverse_cdf_sampling_is_exact_and_skips_zero_mass():
     # The extreme uniforms land on tokens that have mass.
     edge = sample_from_probs(probs.expand(2, -1), torch.tensor([0.0, 1.0 - 1e-9]))
     assert edge.tolist() == [1, 4]
+
+
+def test_wide_nucleus_falls_back_to_a_full_sort():
+    # 1000 nearly flat tokens: the 0.9 nucleus spans far more than the partial-sort candidates.
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 1000, generator=g) * 0.1
+    logits[1] *= 100  # a peaked row in the same batch takes the fast path
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.5)]
+    probs = probs_from_logits(logits, SamplingTensors.from_params(params))
+    for row, p in enumerate(params):
+        expected = torch.tensor(reference_probs(logits[row].tolist(), p), dtype=torch.float64)
+        torch.testing.assert_close(probs[row].double(), expected, atol=1e-6, rtol=1e-4)
+    assert int((probs[0] > 0).sum()) > 800
+
+
+def test_token_probs_equal_the_full_distribution_gathered():
+    g = torch.Generator().manual_seed(4)
+    params = PARAMS * 3
+    logits = torch.randn(len(params), 300, generator=g) * 3
+    tokens = torch.randint(0, 300, (len(params),), generator=g)
+    tokens[1] = logits[1].argmax()  # a greedy row whose token is the argmax
+    sampling = SamplingTensors.from_params(params)
+    full = probs_from_logits(logits, sampling).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(token_probs_from_logits(logits, tokens, sampling), full,
+                               atol=1e-7, rtol=1e-5)

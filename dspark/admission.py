@@ -1,0 +1,408 @@
+"""Admission: how many draft tokens of each request to verify this round (DESIGN.md sections 2, 6, 12).
+
+Glossary
+--------
+- *anchor* ``x0``: the last token already produced for a request; it is always sent to the target,
+  so every request costs at least one batch token.
+- *draft tokens* ``x_1..x_gamma``: the drafter's block for a request; ``gamma`` = block size.
+- *confidence* ``c_{r,j}``: predicted P(x_j accepted | x_1..x_{j-1} accepted) for request r. It
+  depends on ``x_{j-1}`` but never on ``x_j`` (DESIGN.md section 3).
+- *candidate* ``(r, j)``: "verify request r's draft up to position j" (1-based j).
+- *survival* ``a_{r,j} = prod_{i<=j} c_{r,i}``: probability that r's prefix of length j is accepted;
+  non-increasing in j, and exactly the expected tokens gained by extending ``l_r`` from j-1 to j.
+- *verification length* ``l_r`` in ``0..gamma``: drafts of request r sent to the target this round.
+- *B* = ``sum_r (1 + l_r)``: tokens in the target's flattened verification batch.
+- *tau* = ``sum_r (1 + sum_{j<=l_r} a_{r,j})``: expected tokens produced this round.
+- *Theta* = ``tau * rate(B)``: expected accepted tokens per second; ``rate`` is SPS(B) or
+  ``1 / (T_draft + T_verify(B))``, see :class:`dspark.cost_table.ThetaObjective`.
+- *admission order*: all candidates sorted by ``a_{r,j}`` descending, ties by smaller j, then by
+  smaller r. Because ``a_{r,j} <= a_{r,j-1}`` (also in floating point, where ``c = 1.0`` gives exact
+  ties), ``(r, j-1)`` always precedes ``(r, j)``, so any leading run of the order is a set of
+  per-request prefixes: admitting the first n candidates never admits j before j-1.
+- *capacity* K: how many candidates to admit (``B = R + K``).
+
+Policies (:class:`PolicyKind`, parsed by :meth:`AdmissionPolicy.parse`)
+------------------------------------------------------------------------
+- ``none``: ``l_r = 0`` (target only). ``fixed:N``: ``l_r = min(N, gamma)`` whatever the confidence
+  (``fixed:1`` = the MTP-1-like baseline, ``fixed:gamma`` = the full block, DFlash-style).
+  ``threshold:H``: verify while ``a_{r,j} >= H`` (the static-threshold prior art).
+- ``sync_greedy`` (Algorithm 1): admit in admission order, evaluating Theta after each admission,
+  and stop at the first admission that does not raise Theta. Only candidates with ``a > 0`` are
+  considered (the paper's candidate space E). Lossless: the decision about ``(r, j)`` looks only at
+  candidates that precede it in the order, none of which depends on ``x_{r,j}``. Optimal when Theta
+  is unimodal in the admission count (convex non-decreasing step time).
+- ``async_topk`` (the service default): K for step t is the unconstrained argmax over the whole
+  Theta curve (every admission count n, no early stop, so it climbs over saw-teeth of a staircase
+  SPS) computed from step ``t - lag`` (lag = 2) candidates and the cost table as it stood then; step
+  t then admits its top-K candidates by their *fresh* survival. K cannot depend on step t's tokens,
+  so no early stop is needed for losslessness (DESIGN.md section 6). :class:`AsyncTopKAdmission`
+  makes the lag structural: the K used at step t was computed by the call for step ``t - lag``.
+  *Warm-up*: for the first ``lag`` steps (and after any gap in the step indices) there is no history;
+  K is then the argmax of the Theta curve of a *prior* block in which every admissible position has
+  confidence ``prior_confidence`` (a config value). That K depends only on the number of requests,
+  gamma, the per-request caps and the cost table, never on the current tokens or confidences.
+
+A global argmax over the *current* step's Theta curve is Appendix A's biased scheduler (it leaks
+``x_k`` into the decision about k); it is deliberately not offered here (it lives only in
+``tests/test_counterexample.py`` as the negative example).
+
+Per-request caps (``max_lengths``): a request near its ``max_tokens`` may need fewer than gamma
+drafts; candidates with ``j > max_lengths[r]`` are never admitted by any policy.
+
+All functions take confidences as a float numpy array or torch tensor ``[num_requests, gamma]`` and
+return ``lengths`` as a numpy int64 array ``[num_requests]`` (``torch.from_numpy`` is free).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dspark.cost_table import CostTable, ThetaObjective
+
+
+# ------------------------------------------------------------------------------------- policy
+class PolicyKind(enum.Enum):
+    NONE = "none"
+    FIXED = "fixed"
+    THRESHOLD = "threshold"
+    SYNC_GREEDY = "sync_greedy"
+    ASYNC_TOPK = "async_topk"
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """A policy and its parameter (``fixed``: N drafts; ``threshold``: H in [0, 1])."""
+
+    kind: PolicyKind
+    fixed_length: int = 0
+    """``fixed:N`` only: drafts verified per request (capped by gamma and max_lengths)."""
+    threshold: float = 0.0
+    """``threshold:H`` only: verify while the survival probability ``a_{r,j} >= H``."""
+
+    def __post_init__(self) -> None:
+        if self.fixed_length < 0:
+            raise ValueError(f"fixed length must be >= 0, got {self.fixed_length}")
+        if not (0.0 <= self.threshold <= 1.0):
+            raise ValueError(f"threshold must lie in [0, 1], got {self.threshold}")
+
+    @classmethod
+    def parse(cls, text: str) -> "AdmissionPolicy":
+        """Parse ``none``, ``fixed:N``, ``threshold:H``, ``sync_greedy`` or ``async_topk``."""
+        name, _, arg = text.strip().partition(":")
+        try:
+            kind = PolicyKind(name.strip().lower())
+        except ValueError:
+            raise ValueError(
+                f"unknown admission policy {text!r}; expected one of none, fixed:N, threshold:H, "
+                "sync_greedy, async_topk"
+            ) from None
+        if kind is PolicyKind.FIXED:
+            if not arg:
+                raise ValueError("fixed needs a length, e.g. fixed:1")
+            return cls(kind, fixed_length=int(arg))
+        if kind is PolicyKind.THRESHOLD:
+            if not arg:
+                raise ValueError("threshold needs a probability, e.g. threshold:0.5")
+            return cls(kind, threshold=float(arg))
+        if arg:
+            raise ValueError(f"policy {name} takes no argument, got {text!r}")
+        return cls(kind)
+
+    def __str__(self) -> str:
+        if self.kind is PolicyKind.FIXED:
+            return f"fixed:{self.fixed_length}"
+        if self.kind is PolicyKind.THRESHOLD:
+            return f"threshold:{self.threshold:g}"
+        return self.kind.value
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Everything an :class:`Admitter` needs besides the cost table."""
+
+    policy: AdmissionPolicy = AdmissionPolicy(PolicyKind.ASYNC_TOPK)
+    objective: ThetaObjective = ThetaObjective.PAPER
+    """Theta = tau * SPS(B) (paper) or tau / (T_draft + T_verify(B)) (disaggregated)."""
+    lag: int = 2
+    """``async_topk``: K for step t comes from step t - lag (>= 1; 2 in the paper's ZOS pipeline)."""
+    prior_confidence: float = 0.5
+    """``async_topk`` warm-up: per-position confidence of the prior block used while there is no
+    history (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, str):
+            object.__setattr__(self, "policy", AdmissionPolicy.parse(self.policy))
+        if not isinstance(self.objective, ThetaObjective):
+            object.__setattr__(self, "objective", ThetaObjective(self.objective))
+        if self.lag < 1:
+            raise ValueError(f"lag must be >= 1 (0 would be the biased retrospective search), got {self.lag}")
+        if not (0.0 <= self.prior_confidence <= 1.0):
+            raise ValueError(f"prior_confidence must lie in [0, 1], got {self.prior_confidence}")
+
+
+# ------------------------------------------------------------------------------------- pure maths
+def _as_confidences(c: Any) -> np.ndarray:
+    """Confidences as float64 numpy ``[num_requests, gamma]``, validated to lie in [0, 1]."""
+    if hasattr(c, "detach"):  # torch.Tensor, without importing torch here
+        c = c.detach().cpu().numpy()
+    c = np.asarray(c, dtype=np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"confidences must be [num_requests, gamma], got shape {c.shape}")
+    if c.size and not ((c >= 0.0) & (c <= 1.0)).all():  # also rejects NaN
+        raise ValueError("confidences must lie in [0, 1]")
+    return c
+
+
+def _as_caps(max_lengths: Any, num_requests: int, gamma: int) -> np.ndarray | None:
+    """Per-request caps as int64 ``[num_requests]`` clipped to 0..gamma, or None for no caps."""
+    if max_lengths is None:
+        return None
+    if hasattr(max_lengths, "detach"):
+        max_lengths = max_lengths.detach().cpu().numpy()
+    caps = np.asarray(max_lengths)
+    if caps.shape != (num_requests,) or not np.issubdtype(caps.dtype, np.integer):
+        raise ValueError(f"max_lengths must be integers of shape ({num_requests},), got {caps.dtype} {caps.shape}")
+    if caps.size and caps.min() < 0:
+        raise ValueError("max_lengths must be >= 0")
+    return np.minimum(caps.astype(np.int64), gamma)
+
+
+def survival_probs(c: Any) -> np.ndarray:
+    """``a_{r,j} = prod_{i<=j} c_{r,i}``: ``[num_requests, gamma]`` float64, non-increasing in j."""
+    return np.cumprod(_as_confidences(c), axis=1)  # [num_requests, gamma]
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The admissible candidates of one round, in admission order (``a`` desc, then j, then r)."""
+
+    request: np.ndarray  # [num_candidates] int64: r
+    position: np.ndarray  # [num_candidates] int64: j, 1-based
+    survival: np.ndarray  # [num_candidates] float64: a_{r,j}, non-increasing (see sorted_candidates)
+    num_requests: int
+
+    def __len__(self) -> int:
+        return int(self.request.shape[0])
+
+
+_ONE_BITS = np.float64(1.0).view(np.int64)  # IEEE-754 bit pattern of 1.0
+
+
+def sorted_candidates(a: np.ndarray, max_lengths: Any = None, positive_only: bool = True) -> Candidates:
+    """Sort the candidates of survival matrix ``a [num_requests, gamma]`` into admission order.
+
+    Candidates with ``j > max_lengths[r]`` are dropped; with ``positive_only`` (the paper's candidate
+    space E) so are those with ``a_{r,j} == 0``, which can only cost batch slots.
+
+    Speed: instead of a stable float argsort (about 4x slower) one int64 key per candidate is sorted,
+    ``((bits(1.0) - bits(a)) >> s) << s | f``, where ``f = (j - 1) * R + r`` is the position-major
+    flat index and ``2^s`` > the number of flat indices. For non-negative doubles the bit pattern
+    is monotone in the value, so the key orders by ``a`` descending, then by j, then by r; the
+    only approximation is that survivals agreeing to within ``2^s`` units in the last place
+    (relative ``2^(s-52)``, about 1e-12 for 256 x 16 candidates) count as ties and so fall back
+    to (j, r) order. Prefix order is exact: ``a_{r,j} <= a_{r,j-1}`` gives a key that is not smaller
+    in its first part and larger in f.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    assert a.ndim == 2, a.shape
+    num_requests, gamma = a.shape
+    caps = _as_caps(max_lengths, num_requests, gamma)
+    a_jr = np.ascontiguousarray(a.T).reshape(-1) + 0.0  # [gamma * num_requests]; + 0.0: no -0.0
+    valid = a_jr > 0.0 if positive_only else np.ones(a_jr.shape, dtype=bool)
+    if caps is not None:
+        j_of_flat = np.repeat(np.arange(1, gamma + 1), num_requests)  # [gamma * num_requests]
+        valid &= j_of_flat <= np.tile(caps, gamma)
+    flat = np.flatnonzero(valid)  # [num_candidates]
+    shift = max(1, int(a_jr.shape[0] - 1).bit_length())
+    keys = (((_ONE_BITS - a_jr[flat].view(np.int64)) >> shift) << shift) | flat  # [num_candidates]
+    keys.sort()  # all keys differ (distinct f), so an unstable sort is deterministic
+    flat = keys & ((1 << shift) - 1)
+    return Candidates(
+        request=flat % num_requests,
+        position=flat // num_requests + 1,
+        survival=a_jr[flat],
+        num_requests=num_requests,
+    )
+
+
+def theta_curve(
+    survival_sorted: np.ndarray,
+    num_requests: int,
+    cost_table: CostTable,
+    objective: ThetaObjective = ThetaObjective.PAPER,
+) -> np.ndarray:
+    """``Theta(n)`` for admitting the first n = 0..N candidates: ``[N + 1]`` float64.
+
+    ``Theta(n) = (R + sum of the first n survivals) * rate(R + n)``.
+    """
+    n_cand = survival_sorted.shape[0]
+    tau = np.empty(n_cand + 1, dtype=np.float64)  # [N + 1]
+    tau[0] = 0.0
+    np.cumsum(survival_sorted, out=tau[1:])
+    tau += num_requests
+    return tau * cost_table.round_rate_range(num_requests, n_cand + 1, objective)
+
+
+def best_capacity(
+    candidates: Candidates, cost_table: CostTable, objective: ThetaObjective = ThetaObjective.PAPER
+) -> int:
+    """Unconstrained global search: the admission count n maximising Theta (smallest on ties)."""
+    if candidates.num_requests == 0:
+        return 0
+    return int(np.argmax(theta_curve(candidates.survival, candidates.num_requests, cost_table, objective)))
+
+
+def admit_top_k(candidates: Candidates, k: int) -> np.ndarray:
+    """Admit the first k candidates in admission order: ``lengths [num_requests]`` int64."""
+    k = max(0, min(int(k), len(candidates)))
+    return np.bincount(candidates.request[:k], minlength=candidates.num_requests).astype(np.int64)
+
+
+def sync_greedy_count(
+    candidates: Candidates, cost_table: CostTable, objective: ThetaObjective = ThetaObjective.PAPER
+) -> int:
+    """Algorithm 1's admission count: stop at the first admission that does not raise Theta.
+
+    Vectorised over the whole curve, but the result is exactly the sequential loop's: the count
+    n such that Theta rose at every admission 1..n and did not rise at n + 1.
+    """
+    if candidates.num_requests == 0:
+        return 0
+    theta = theta_curve(candidates.survival, candidates.num_requests, cost_table, objective)
+    stops = np.flatnonzero(theta[1:] <= theta[:-1])
+    return int(stops[0]) if stops.size else len(candidates)
+
+
+def admit_sync_greedy(
+    c: Any,
+    cost_table: CostTable,
+    max_lengths: Any = None,
+    objective: ThetaObjective = ThetaObjective.PAPER,
+) -> np.ndarray:
+    """Algorithm 1 (synchronous greedy with early stop): ``lengths [num_requests]``."""
+    candidates = sorted_candidates(survival_probs(c), max_lengths)
+    return admit_top_k(candidates, sync_greedy_count(candidates, cost_table, objective))
+
+
+def admit_fixed(c: Any, length: int, max_lengths: Any = None) -> np.ndarray:
+    """``l_r = min(length, gamma, max_lengths[r])`` whatever the confidences."""
+    c = _as_confidences(c)
+    num_requests, gamma = c.shape
+    lengths = np.full(num_requests, min(int(length), gamma), dtype=np.int64)
+    caps = _as_caps(max_lengths, num_requests, gamma)
+    return lengths if caps is None else np.minimum(lengths, caps)
+
+
+def admit_threshold(c: Any, threshold: float, max_lengths: Any = None) -> np.ndarray:
+    """Verify while ``a_{r,j} >= threshold``: the count of such j (a prefix, a being non-increasing)."""
+    a = survival_probs(c)
+    num_requests, gamma = a.shape
+    lengths = (a >= threshold).sum(axis=1).astype(np.int64)  # [num_requests]
+    caps = _as_caps(max_lengths, num_requests, gamma)
+    return lengths if caps is None else np.minimum(lengths, caps)
+
+
+def prior_candidates(
+    num_requests: int, gamma: int, prior_confidence: float, max_lengths: Any = None
+) -> Candidates:
+    """Candidates of a block in which every position has confidence ``prior_confidence``."""
+    c = np.full((num_requests, gamma), float(prior_confidence))
+    return sorted_candidates(survival_probs(c), max_lengths)
+
+
+# ------------------------------------------------------------------------------------- stateful
+class AsyncTopKAdmission:
+    """``async_topk`` with a structural lag: step t admits the top-K of its fresh candidates, where
+    K was computed by the call for step ``t - lag`` from *that* step's candidates and the cost table
+    as it stood then. Each call then computes, from its own candidates, the K for step ``t + lag``.
+    """
+
+    def __init__(
+        self,
+        cost_table: CostTable,
+        lag: int = 2,
+        objective: ThetaObjective = ThetaObjective.PAPER,
+        prior_confidence: float = 0.5,
+    ) -> None:
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1, got {lag}")
+        self.cost_table = cost_table
+        self.lag = lag
+        self.objective = objective
+        self.prior_confidence = prior_confidence
+        self._capacity_for_step: dict[int, int] = {}  # step index -> K computed lag steps earlier
+        self.capacity_used: int | None = None
+        """K used by the last :meth:`admit` call (before clipping to the available candidates)."""
+        self.used_prior: bool = False
+        """Whether the last call had no history and used the warm-up prior K."""
+
+    def admit(self, c_fresh: Any, step_index: int, max_lengths: Any = None) -> np.ndarray:
+        """Lengths ``[num_requests]`` for step ``step_index`` from confidences ``[num_requests, gamma]``."""
+        a = survival_probs(c_fresh)  # [num_requests, gamma]
+        num_requests, gamma = a.shape
+        # 1. K for this step: decided lag steps ago (or the token-free warm-up prior).
+        k = self._capacity_for_step.pop(step_index, None)
+        self.used_prior = k is None
+        if k is None:
+            prior = prior_candidates(num_requests, gamma, self.prior_confidence, max_lengths)
+            k = best_capacity(prior, self.cost_table, self.objective)
+        self.capacity_used = k
+        # 2. Admit the top-K fresh candidates.
+        candidates = sorted_candidates(a, max_lengths)
+        lengths = admit_top_k(candidates, k)
+        # 3. From this step's information, the K of step t + lag; forget steps already past.
+        for stale in [s for s in self._capacity_for_step if s <= step_index]:
+            del self._capacity_for_step[stale]
+        self._capacity_for_step[step_index + self.lag] = best_capacity(
+            candidates, self.cost_table, self.objective
+        )
+        return lengths
+
+
+class Admitter:
+    """One admission decision per round under a configured policy (thin wrapper over the maths)."""
+
+    def __init__(self, config: AdmissionConfig, cost_table: CostTable | None = None) -> None:
+        self.config = config
+        self.cost_table = cost_table
+        kind = config.policy.kind
+        if kind in (PolicyKind.SYNC_GREEDY, PolicyKind.ASYNC_TOPK) and cost_table is None:
+            raise ValueError(f"policy {config.policy} needs a cost table")
+        self._async = (
+            AsyncTopKAdmission(cost_table, config.lag, config.objective, config.prior_confidence)
+            if kind is PolicyKind.ASYNC_TOPK
+            else None
+        )
+        self._step = 0
+
+    @property
+    def capacity_used(self) -> int | None:
+        """``async_topk``: the K its last decision used (None for the other policies)."""
+        return None if self._async is None else self._async.capacity_used
+
+    def admit(self, c: Any, step_index: int | None = None, max_lengths: Any = None) -> np.ndarray:
+        """Lengths ``[num_requests]`` (int64, 0..gamma) for confidences ``c [num_requests, gamma]``.
+
+        ``step_index`` numbers the rounds (only ``async_topk`` uses it); by default consecutive calls
+        are consecutive steps.
+        """
+        if step_index is None:
+            step_index = self._step
+        self._step = step_index + 1
+        policy = self.config.policy
+        kind = policy.kind
+        if kind is PolicyKind.NONE:
+            return admit_fixed(c, 0)
+        if kind is PolicyKind.FIXED:
+            return admit_fixed(c, policy.fixed_length, max_lengths)
+        if kind is PolicyKind.THRESHOLD:
+            return admit_threshold(c, policy.threshold, max_lengths)
+        if kind is PolicyKind.SYNC_GREEDY:
+            return admit_sync_greedy(c, self.cost_table, max_lengths, self.config.objective)
+        if kind is PolicyKind.ASYNC_TOPK:
+            return self._async.admit(c, step_index, max_lengths)
+        raise AssertionError(f"unhandled policy {kind}")

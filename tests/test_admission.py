@@ -1,0 +1,369 @@
+"""Tests of dspark/admission.py against independent references (brute force, Algorithm 1 read literally)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.admission import (
+    AdmissionConfig,
+    AdmissionPolicy,
+    Admitter,
+    AsyncTopKAdmission,
+    PolicyKind,
+    admit_fixed,
+    admit_sync_greedy,
+    admit_threshold,
+    admit_top_k,
+    best_capacity,
+    prior_candidates,
+    sorted_candidates,
+    survival_probs,
+    theta_curve,
+)
+from dspark.cost_table import CostTable, ThetaObjective
+
+
+# ------------------------------------------------------------------------------------- references
+def reference_survival(c: np.ndarray) -> np.ndarray:
+    a = np.zeros_like(c, dtype=np.float64)
+    for r in range(c.shape[0]):
+        prod = 1.0
+        for j in range(c.shape[1]):
+            prod *= float(c[r, j])
+            a[r, j] = prod
+    return a
+
+
+def reference_theta(a: np.ndarray, lengths, table: CostTable, objective=ThetaObjective.PAPER) -> float:
+    """Theta of one length vector, from the definitions of DESIGN.md section 6."""
+    num_requests = a.shape[0]
+    tau = num_requests + sum(float(a[r, :l].sum()) for r, l in enumerate(lengths))
+    batch = num_requests + int(sum(lengths))
+    rate = 1.0 / table.step_time(batch)
+    if objective is ThetaObjective.DISAGGREGATED:
+        rate = 1.0 / (table.draft_seconds + table.step_time(batch))
+    return tau * rate
+
+
+def brute_force_best(a: np.ndarray, table: CostTable, caps=None, objective=ThetaObjective.PAPER) -> float:
+    """max Theta over every length vector l_r in 0..cap_r, within the paper's candidate space E
+    (a > 0: with a measured table that is not monotone, padding with zero-survival drafts could
+    otherwise look "faster")."""
+    num_requests, gamma = a.shape
+    caps = [gamma] * num_requests if caps is None else list(caps)
+    caps = [min(cap, int((a[r] > 0).sum())) for r, cap in enumerate(caps)]
+    return max(
+        reference_theta(a, lengths, table, objective)
+        for lengths in itertools.product(*[range(cap + 1) for cap in caps])
+    )
+
+
+def reference_order(a: np.ndarray, caps=None) -> list[tuple[int, int]]:
+    """Candidates (r, j) with a > 0, sorted by a descending, then j, then r."""
+    num_requests, gamma = a.shape
+    caps = [gamma] * num_requests if caps is None else list(caps)
+    cands = [(r, j) for r in range(num_requests) for j in range(1, caps[r] + 1) if a[r, j - 1] > 0]
+    return sorted(cands, key=lambda rj: (-a[rj[0], rj[1] - 1], rj[1], rj[0]))
+
+
+def algorithm_1(c: np.ndarray, table: CostTable, caps=None, objective=ThetaObjective.PAPER) -> list[int]:
+    """The paper's Algorithm 1, line by line (scalar loop with the early-stop break)."""
+    a = reference_survival(c)
+    num_requests = a.shape[0]
+    rate = (lambda b: 1.0 / table.step_time(b)) if objective is ThetaObjective.PAPER else (
+        lambda b: 1.0 / (table.draft_seconds + table.step_time(b)))
+    lengths = [0] * num_requests
+    best_lengths = [0] * num_requests
+    batch, tau = num_requests, float(num_requests)
+    theta_best = num_requests * rate(num_requests)
+    for r, j in reference_order(a, caps):
+        lengths[r] = j
+        batch += 1
+        tau += a[r, j - 1]
+        theta = tau * rate(batch)
+        if theta > theta_best:
+            theta_best = theta
+            best_lengths = list(lengths)
+        else:
+            break
+    return best_lengths
+
+
+def convex_table(rng: np.random.Generator, max_b: int, draft_seconds: float = 0.0) -> CostTable:
+    """Step time t0 + t1 B + t2 B^2 measured at every B: convex and increasing, so Theta is unimodal."""
+    t0, t1, t2 = rng.uniform(0.01, 0.05), rng.uniform(0.0005, 0.02), rng.uniform(0.0, 0.002)
+    return CostTable.from_step_seconds(
+        {b: t0 + t1 * b + t2 * b * b for b in range(1, max_b + 1)}, draft_seconds=draft_seconds
+    )
+
+
+def random_confidences(rng: np.random.Generator, num_requests: int, gamma: int) -> np.ndarray:
+    """A mix of continuous confidences, exact 1.0 (float ties of a) and exact 0.0."""
+    c = rng.uniform(0.3, 1.0, size=(num_requests, gamma))
+    c[rng.random(c.shape) < 0.2] = 1.0
+    c[rng.random(c.shape) < 0.05] = 0.0
+    return c
+
+
+def assert_prefixes(candidates, lengths_for_k):
+    """Every leading run of the admission order is a set of per-request prefixes."""
+    for k in range(len(candidates) + 1):
+        lengths = lengths_for_k(k)
+        admitted = set(zip(candidates.request[:k].tolist(), candidates.position[:k].tolist()))
+        expected = {(r, j) for r, l in enumerate(lengths.tolist()) for j in range(1, l + 1)}
+        assert admitted == expected, f"prefix order broken at k={k}"
+
+
+# ------------------------------------------------------------------------------------- basics
+def test_survival_probs_matches_loop_and_accepts_torch():
+    rng = np.random.default_rng(0)
+    c = rng.uniform(0, 1, size=(5, 7))
+    assert np.allclose(survival_probs(c), reference_survival(c), rtol=1e-15, atol=0)
+    c32 = torch.tensor(c, dtype=torch.float32)
+    assert np.allclose(survival_probs(c32), reference_survival(c32.numpy()), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("bad", [np.array([[0.5, 1.2]]), np.array([[0.5, -0.1]]), np.array([[np.nan, 0.5]]),
+                                 np.array([0.5, 0.5])])
+def test_invalid_confidences_raise(bad):
+    with pytest.raises(ValueError):
+        survival_probs(bad)
+
+
+def test_policy_parsing():
+    assert AdmissionPolicy.parse("none").kind is PolicyKind.NONE
+    assert AdmissionPolicy.parse("fixed:3") == AdmissionPolicy(PolicyKind.FIXED, fixed_length=3)
+    assert AdmissionPolicy.parse("threshold:0.25") == AdmissionPolicy(PolicyKind.THRESHOLD, threshold=0.25)
+    assert AdmissionPolicy.parse("sync_greedy").kind is PolicyKind.SYNC_GREEDY
+    assert AdmissionPolicy.parse(" ASYNC_TOPK ").kind is PolicyKind.ASYNC_TOPK
+    for text in ("fixed:3", "threshold:0.25", "none", "async_topk", "sync_greedy"):
+        assert str(AdmissionPolicy.parse(text)) == text
+    for bad in ("fixed", "fixed:-1", "threshold:1.5", "threshold", "greedy", "none:2", "fixed:x"):
+        with pytest.raises(ValueError):
+            AdmissionPolicy.parse(bad)
+    assert AdmissionConfig(policy="fixed:2").policy.fixed_length == 2
+    with pytest.raises(ValueError):
+        AdmissionConfig(lag=0)
+    with pytest.raises(ValueError):
+        Admitter(AdmissionConfig(policy="sync_greedy"), None)
+
+
+def test_none_fixed_threshold_semantics():
+    rng = np.random.default_rng(1)
+    c = random_confidences(rng, 20, 6)
+    a = reference_survival(c)
+    caps = rng.integers(0, 7, size=20)
+    admit = lambda policy, **kw: Admitter(AdmissionConfig(policy=policy)).admit(c, **kw)  # noqa: E731
+    assert admit("none").tolist() == [0] * 20
+    assert admit("none", max_lengths=caps).tolist() == [0] * 20
+    assert admit("fixed:1").tolist() == [1] * 20
+    assert admit("fixed:6").tolist() == [6] * 20
+    assert admit("fixed:99").tolist() == [6] * 20  # capped by gamma
+    assert admit("fixed:4", max_lengths=caps).tolist() == np.minimum(4, caps).tolist()
+    for h in (0.0, 0.2, 0.5, 0.9, 1.0):
+        expected = []
+        for r in range(20):
+            l = 0
+            while l < 6 and a[r, l] >= h:
+                l += 1
+            expected.append(l)
+        assert admit(f"threshold:{h}").tolist() == expected
+        assert admit(f"threshold:{h}", max_lengths=caps).tolist() == np.minimum(expected, caps).tolist()
+    assert admit_fixed(c, 2).dtype == np.int64 and admit_threshold(c, 0.5).dtype == np.int64
+
+
+# ------------------------------------------------------------------------------------- ordering
+def test_admission_order_and_prefix_property_with_ties():
+    rng = np.random.default_rng(2)
+    for trial in range(60):
+        num_requests, gamma = int(rng.integers(1, 7)), int(rng.integers(1, 7))
+        c = random_confidences(rng, num_requests, gamma)
+        if trial % 3 == 0:  # coarse values: many exact ties across requests and positions
+            c = rng.choice([0.5, 1.0], size=c.shape)
+        caps = rng.integers(0, gamma + 1, size=num_requests) if trial % 2 else None
+        a = survival_probs(c)
+        cand = sorted_candidates(a, caps)
+        got = list(zip(cand.request.tolist(), cand.position.tolist()))
+        assert got == reference_order(reference_survival(c), caps)
+        assert np.array_equal(cand.survival, np.array([a[r, j - 1] for r, j in got]))
+        assert_prefixes(cand, lambda k: admit_top_k(cand, k))
+
+
+def test_all_ones_ties_fill_positions_in_order():
+    cand = sorted_candidates(survival_probs(np.ones((3, 4))))
+    # equal survival everywhere: position 1 of every request, then position 2, ...
+    assert list(zip(cand.request.tolist(), cand.position.tolist()))[:6] == [
+        (0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2)]
+    assert admit_top_k(cand, 5).tolist() == [2, 2, 1]
+
+
+# ------------------------------------------------------------------------------------- sync greedy
+@pytest.mark.parametrize("objective", list(ThetaObjective))
+def test_sync_greedy_equals_brute_force_when_theta_is_unimodal(objective):
+    rng = np.random.default_rng(3)
+    for trial in range(80):
+        num_requests, gamma = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        c = random_confidences(rng, num_requests, gamma)
+        caps = rng.integers(0, gamma + 1, size=num_requests) if trial % 2 else None
+        table = convex_table(rng, num_requests * (gamma + 1), draft_seconds=rng.uniform(0, 0.05))
+        lengths = admit_sync_greedy(c, table, caps, objective)
+        assert lengths.tolist() == algorithm_1(c, table, caps, objective)
+        a = reference_survival(c)
+        best = brute_force_best(a, table, caps, objective)
+        assert reference_theta(a, lengths, table, objective) == pytest.approx(best, rel=1e-12)
+        # and the global search agrees when Theta is unimodal
+        cand = sorted_candidates(survival_probs(c), caps)
+        k = best_capacity(cand, table, objective)
+        assert reference_theta(a, admit_top_k(cand, k), table, objective) == pytest.approx(best, rel=1e-12)
+        if caps is not None:
+            assert (lengths <= caps).all()
+
+
+def test_sync_greedy_matches_algorithm_1_on_random_staircases():
+    rng = np.random.default_rng(4)
+    for _ in range(60):
+        num_requests, gamma = int(rng.integers(1, 8)), int(rng.integers(1, 8))
+        c = random_confidences(rng, num_requests, gamma)
+        steps = np.cumsum(rng.uniform(0, 0.01, size=num_requests * (gamma + 1))) + 0.02
+        steps[rng.random(steps.shape) < 0.5] = np.nan  # bucketed: keep about half the points
+        table = CostTable.from_step_seconds({b + 1: s for b, s in enumerate(steps) if s == s} or {1: 0.02})
+        assert admit_sync_greedy(c, table).tolist() == algorithm_1(c, table)
+
+
+# ------------------------------------------------------------------------------------- saw-tooth
+def sawtooth_table() -> CostTable:
+    # Step time jumps from 1.0 to 1.5 s as soon as the batch exceeds 4 tokens (one bucket of 4, then
+    # one of 8), then grows gently.
+    return CostTable.from_step_seconds({1: 1.0, 4: 1.0, 5: 1.5, 8: 1.5, 9: 2.4, 12: 2.4})
+
+
+def test_async_global_search_climbs_over_a_saw_tooth_where_greedy_stops():
+    table = sawtooth_table()
+    c = np.full((4, 2), 0.95)  # 4 requests, confident drafts
+    a = reference_survival(c)
+    cand = sorted_candidates(survival_probs(c))
+    curve = theta_curve(cand.survival, 4, table)
+    assert curve[0] == pytest.approx(4.0) and curve[1] == pytest.approx(4.95 / 1.5)  # Theta falls first
+    greedy = admit_sync_greedy(c, table)
+    assert greedy.tolist() == [0, 0, 0, 0]  # stopped at the cliff
+    k = best_capacity(cand, table)
+    assert k == 4 and admit_top_k(cand, k).tolist() == [1, 1, 1, 1]
+    best = brute_force_best(a, table)
+    assert reference_theta(a, admit_top_k(cand, k), table) == pytest.approx(best, rel=1e-12)
+    assert best == pytest.approx((4 + 4 * 0.95) / 1.5)
+    assert reference_theta(a, greedy, table) < best - 1.0
+    # In steady state (the same confidences every step) the async wrapper reaches the optimum.
+    admitter = AsyncTopKAdmission(table, lag=2)
+    for step in range(4):
+        lengths = admitter.admit(c, step)
+    assert not admitter.used_prior
+    assert reference_theta(a, lengths, table) == pytest.approx(best, rel=1e-12)
+
+
+def test_global_search_equals_brute_force_on_random_staircases():
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        num_requests, gamma = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        c = random_confidences(rng, num_requests, gamma)
+        bucket = int(rng.integers(1, 4))
+        table = CostTable.from_step_seconds(
+            {b: 0.02 + 0.01 * ((b - 1) // bucket) + rng.uniform(0, 0.002) for b in range(1, 13)})
+        a = reference_survival(c)
+        cand = sorted_candidates(survival_probs(c))
+        lengths = admit_top_k(cand, best_capacity(cand, table))
+        assert reference_theta(a, lengths, table) == pytest.approx(brute_force_best(a, table), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------- async lag
+def test_async_capacity_comes_from_two_steps_before():
+    rng = np.random.default_rng(6)
+    table = CostTable.from_step_seconds({b: 0.03 + 0.0002 * b + 0.000002 * b * b for b in range(1, 401)})
+    num_requests, gamma = 24, 8
+    # Confidence levels that change from step to step, so step t-2's K differs from step t's own.
+    levels = [0.9, 0.2, 0.5, 0.85, 0.3, 0.6, 0.1, 0.9]
+    history = [rng.uniform(lo, lo + 0.1, size=(num_requests, gamma)) for lo in levels]
+    fresh_k_differs = 0
+    first = AsyncTopKAdmission(table, lag=2)
+    for step, c in enumerate(history):
+        lengths = first.admit(c, step)
+        # An admitter with the same history up to step t-1 but a different step-t block: step t's
+        # confidences must not change step t's K.
+        second = AsyncTopKAdmission(table, lag=2)
+        for old_step in range(step):
+            second.admit(history[old_step], old_step)
+        other = rng.uniform(0.0, 1.0, size=c.shape)
+        other[:, 0] = np.where(rng.random(num_requests) < 0.5, 1.0, other[:, 0])
+        lengths_other = second.admit(other, step)
+        assert first.capacity_used == second.capacity_used
+        if step < 2:
+            # during warm-up K is the token-free prior
+            assert first.used_prior and second.used_prior
+            prior = prior_candidates(num_requests, gamma, 0.5)
+            assert first.capacity_used == best_capacity(prior, table)
+        else:
+            # afterwards it is the global optimum of step t-2's curve (brute force over the count)
+            assert not first.used_prior
+            a_old = survival_probs(history[step - 2])
+            values = np.sort(a_old.ravel())[::-1]
+            thetas = [(num_requests + values[:n].sum()) * table.sps(num_requests + n)
+                      for n in range(values.size + 1)]
+            assert first.capacity_used == int(np.argmax(thetas))
+        # the fresh top-K by fresh survival, prefixes only
+        cand = sorted_candidates(survival_probs(c))
+        fresh_k_differs += best_capacity(cand, table) != first.capacity_used
+        assert lengths.tolist() == admit_top_k(cand, first.capacity_used).tolist()
+        assert lengths.sum() == min(first.capacity_used, len(cand))
+        assert lengths_other.sum() == min(second.capacity_used, len(sorted_candidates(survival_probs(other))))
+    assert fresh_k_differs >= 4  # the instance can tell a lagged K from a fresh one
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_async_lag_is_structural(lag):
+    table = sawtooth_table()
+    high, low = np.full((4, 2), 0.95), np.full((4, 2), 0.05)
+    admitter = AsyncTopKAdmission(table, lag=lag, prior_confidence=0.0)
+    used = []
+    for step in range(8):
+        admitter.admit(high if step == 0 else low, step)
+        used.append(admitter.capacity_used)
+    # prior 0 -> K = 0 for the warm-up steps; the single confident step 0 shows up exactly lag later
+    assert used[:lag] == [0] * lag
+    assert used[lag] == 4
+    assert all(k == 0 for k in used[lag + 1:])
+
+
+def test_admitter_async_default_step_numbering_and_gap():
+    table = sawtooth_table()
+    admitter = Admitter(AdmissionConfig(policy="async_topk", prior_confidence=0.0), table)
+    high = np.full((4, 2), 0.95)
+    assert admitter.admit(high).sum() == 0  # step 0, prior K = 0
+    assert admitter.admit(high).sum() == 0  # step 1, prior K = 0
+    assert admitter.admit(high).sum() == 4  # step 2, K from step 0
+    assert admitter.admit(high, step_index=10).sum() == 0  # a gap: no history for step 10, prior again
+
+
+# ------------------------------------------------------------------------------------- caps
+@pytest.mark.parametrize("policy", ["none", "fixed:2", "fixed:9", "threshold:0.3", "sync_greedy", "async_topk"])
+def test_every_policy_respects_max_lengths(policy):
+    rng = np.random.default_rng(7)
+    table = convex_table(rng, 600)
+    admitter = Admitter(AdmissionConfig(policy=policy, prior_confidence=0.9), table)
+    for step in range(5):
+        c = torch.tensor(random_confidences(rng, 40, 9), dtype=torch.float32)
+        caps = torch.tensor(rng.integers(0, 12, size=40))  # some above gamma
+        lengths = admitter.admit(c, step, max_lengths=caps)
+        assert lengths.shape == (40,) and lengths.dtype == np.int64
+        assert (lengths >= 0).all() and (lengths <= np.minimum(caps.numpy(), 9)).all()
+
+
+def test_capped_requests_leave_room_for_others():
+    # request 0 is very confident but may take only 1 more token; request 1 takes the capacity
+    table = CostTable.from_step_seconds({b: 0.01 for b in range(1, 20)})  # free tokens up to 19
+    c = np.array([[1.0, 1.0, 1.0], [0.9, 0.9, 0.9]])
+    assert admit_sync_greedy(c, table, max_lengths=np.array([1, 3])).tolist() == [1, 3]
+    cand = sorted_candidates(survival_probs(c), np.array([1, 3]))
+    assert len(cand) == 4 and best_capacity(cand, table) == 4

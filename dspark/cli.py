@@ -18,6 +18,8 @@ import sys
 # subcommand name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dspark.demo", "show lossless verification on a toy target and drafter"),
+    "train": ("dspark.training.train_cli",
+              "train a drafter (DSpark, DFlash or Eagle-style) with the target as an online teacher"),
 }
 
 

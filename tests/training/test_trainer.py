@@ -1,0 +1,227 @@
+"""The training loop on a tiny random Llama target: the loss goes down, resuming continues exactly,
+every method trains and its checkpoint loads, and `dspark train` runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.models.drafter import DraftRequest, DSparkDrafter
+from dspark.models.drafter_io import load_drafter
+from dspark.models.eagle import EagleDrafter
+from dspark.sampling import SamplingParams
+from dspark.training import train_cli
+from dspark.training.trainer import (
+    Method,
+    TrainConfig,
+    Trainer,
+    lr_lambda,
+    make_batch,
+    read_examples,
+    read_log,
+    sample_anchors,
+    select_draft_vocab,
+    Example,
+)
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny models: one thread is fastest, and immune to a busy shared CPU. Restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      initializer_range=0.2)  # peaked p^t: acceptance starts low and can improve
+    folder = tmp_path_factory.mktemp("target")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory):
+    """A repetitive toy set: short random prompts, answers cycling through a fixed pattern."""
+    rng = random.Random(0)
+    pattern = [10, 11, 12, 13, 14, 15]
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    with open(path, "w") as f:
+        for _ in range(40):
+            prompt = [rng.randrange(20, 40) for _ in range(rng.randrange(3, 7))]
+            start = rng.randrange(len(pattern))
+            answer = [pattern[(start + i) % len(pattern)] for i in range(rng.randrange(24, 40))]
+            f.write(json.dumps({"prompt_ids": prompt, "answer_ids": answer}) + "\n")
+    return str(path)
+
+
+def config(target_dir, data_path, out_dir, **kw) -> TrainConfig:
+    base = dict(data_path=data_path, target_dir=target_dir, out_dir=str(out_dir), num_layers=1,
+                num_context_layers=3, gamma=4, markov_rank=8, steps=30, batch_size=4, num_anchors=6,
+                max_seq_len=64, lr=3e-3, warmup_steps=3, log_every=1, save_every=1000,
+                progress=False, device="cpu", seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_loss_goes_down(target_dir, data_path, tmp_path):
+    trainer = Trainer(config(target_dir, data_path, tmp_path))
+    assert trainer.teacher.layer_ids == [1, 2, 3]
+    assert trainer.model.config.mask_token_id == VOCAB - 1  # highest id absent from the data
+    trainer.run()
+    log = read_log(tmp_path / "train_log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 31))
+    first = sum(r["loss"] for r in log[:5]) / 5
+    last = sum(r["loss"] for r in log[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    mean = lambda key, rows: sum(r[key] for r in rows) / len(rows)
+    assert mean("tv", log[-5:]) < 0.8 * mean("tv", log[:5])  # closer to the target's p^t
+    assert mean("tau", log[-5:]) > 1.3 * mean("tau", log[:5])  # so more tokens per round
+    assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
+    # The final weights are stored in bfloat16 and load as a drafter.
+    assert load_file(str(tmp_path / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    assert json.loads((tmp_path / "train_config.json").read_text())["method"] == "markov"
+
+
+@pytest.mark.parametrize("teacher_cache", [False, True])
+def test_resume_continues_identically(target_dir, data_path, tmp_path, teacher_cache):
+    kw = dict(steps=8, save_every=4, teacher_cache=teacher_cache)
+    straight = Trainer(config(target_dir, data_path, tmp_path / "a", **kw))
+    straight.run()
+
+    interrupted = Trainer(config(target_dir, data_path, tmp_path / "b", **kw))
+    for _ in range(3):
+        interrupted.train_step()
+    interrupted.save_checkpoint()
+    interrupted.train_step()  # lost work: done after the last checkpoint, then "crash"
+    del interrupted
+    resumed = Trainer(config(target_dir, data_path, tmp_path / "b", **kw))
+    assert resumed.step == 3
+    resumed.run()
+    a = load_file(str(tmp_path / "a" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    log_a = {r["step"]: r["loss"] for r in read_log(tmp_path / "a" / "train_log.jsonl")}
+    log_b = {r["step"]: r["loss"] for r in read_log(tmp_path / "b" / "train_log.jsonl")}
+    assert sorted(log_b) == [4, 5, 6, 7, 8]
+    assert all(log_b[s] == log_a[s] for s in log_b)
+
+
+def test_teacher_cache_runs_each_example_once(target_dir, data_path, tmp_path):
+    runs = {}
+    for cache in (False, True):
+        trainer = Trainer(config(target_dir, data_path, tmp_path / str(cache), steps=14,
+                                 teacher_cache=cache))
+        calls = []
+        original = trainer.teacher.run
+        trainer.teacher.run = lambda ids, mask: calls.append(ids.shape[0]) or original(ids, mask)
+        trainer.run()
+        runs[cache] = (sum(calls), read_log(tmp_path / str(cache) / "train_log.jsonl"))
+    assert runs[False][0] == 14 * 4  # every sequence of every step
+    assert runs[True][0] == 40  # 14 steps x 4 = 56 sequences > 1 epoch of 40: each example once
+    for a, b in zip(runs[False][1], runs[True][1]):  # bfloat16 storage: nearly the same run
+        assert b["loss"] == pytest.approx(a["loss"], rel=3e-2)
+
+
+@pytest.mark.parametrize("method,draft_vocab", [("markov", 24), ("rnn", None), ("none", None),
+                                                ("eagle", 24)])
+def test_every_method_trains_and_loads(target_dir, data_path, tmp_path, method, draft_vocab):
+    trainer = Trainer(config(target_dir, data_path, tmp_path, method=method, steps=3,
+                             draft_vocab_size=draft_vocab, num_layers=2))
+    trainer.run()
+    model = load_drafter(tmp_path, trainer.teacher.embed_weight, trainer.teacher.lm_head_weight)
+    assert isinstance(model, EagleDrafter if method == "eagle" else DSparkDrafter)
+    assert model.config.markov_head_type.value == ("none" if method == "eagle" else method)
+    if draft_vocab:
+        assert torch.equal(model.draft_to_target, trainer.draft_ids)
+    features = torch.randn(5, 3 * 32)
+    model.append_context("r", features, torch.arange(5), torch.tensor([20, 21, 10, 11, 12]))
+    block = model.draft([DraftRequest("r", 13, 5, SamplingParams(0.0))])[0]
+    assert block.tokens.shape == (4,)
+
+
+def test_data_helpers():
+    examples = [Example([1, 2, 3], [4, 5, 6, 7]), Example([8] * 10, [9] * 20)]
+    batch = make_batch(examples, max_seq_len=16)
+    assert batch.input_ids.shape == (2, 16)
+    assert batch.input_ids[0, :7].tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert batch.answer_mask[0].tolist() == [False] * 3 + [True] * 4 + [False] * 9
+    # Too long: the prompt keeps its tail (at least half the budget), the answer is cut at the end.
+    assert batch.answer_mask[1].sum() == 8 and batch.attention_mask[1].sum() == 16
+    anchors, keep = sample_anchors(batch.answer_mask, 5, torch.Generator().manual_seed(0))
+    assert anchors.shape == (2, 5)
+    assert keep[0].tolist() == [True, True, True, False, False]  # anchors 3, 4, 5 only
+    assert anchors[0, :3].tolist() == [3, 4, 5]
+    for b in range(2):
+        for a, k in zip(anchors[b].tolist(), keep[b].tolist()):
+            if k:
+                assert batch.answer_mask[b, a] and batch.answer_mask[b, a + 1]
+    vocab = select_draft_vocab([Example([], [5, 5, 5, 3, 3, 9, 1])], 12, 3)
+    assert vocab.tolist() == [1, 3, 5]  # ties broken by lower id: 1 and 9 both appear once
+
+
+def test_learning_rate_schedule():
+    lrs = [lr_lambda(s, warmup=4, total=20, min_ratio=0.1) for s in range(21)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == pytest.approx(1.0) and lrs[20] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_config_validation(tmp_path):
+    with pytest.raises(ValueError):
+        TrainConfig(data_path="x", target_dir="y", out_dir="z", steps=0)
+    with pytest.raises(ValueError):
+        TrainConfig(data_path="x", target_dir="y", out_dir="z", method="crf")
+    assert TrainConfig(data_path="x", target_dir="y", out_dir="z", method="eagle").loss_config.conf_weight == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError):
+        read_examples(bad)
+
+
+def test_reads_gzipped_data_and_only_the_train_split(tmp_path):
+    import gzip
+
+    path = tmp_path / "answers.jsonl.gz"
+    records = [{"id": "a", "split": "train", "prompt_ids": [1], "answer_ids": [2, 3]},
+               {"id": "b", "split": "heldout", "prompt_ids": [4], "answer_ids": [5, 6]},
+               {"id": "c", "prompt_ids": [7], "answer_ids": [8]},
+               {"id": "d", "split": "train", "prompt_ids": [9], "answer_ids": []}]
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    assert [e.prompt_ids for e in read_examples(path)] == [[1], [7]]
+    assert [e.prompt_ids for e in read_examples(path, "heldout")] == [[4]]
+    assert len(read_examples(path, None)) == 3
+
+
+def test_cli(target_dir, data_path, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    train_cli.configure(parser)
+    args = parser.parse_args(["--data", data_path, "--target", target_dir, "--out", str(tmp_path),
+                              "--method", "none", "--layers", "1", "--target-layers", "1,3",
+                              "--gamma", "3", "--intermediate-size", "24", "--steps", "2", "--batch", "2", "--anchors", "4",
+                              "--max-seq-len", "48", "--device", "cpu", "--no-progress"])
+    assert train_cli.run(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["steps"] == 2
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["target_layer_ids"] == [1, 3] and cfg["block_size"] == 3 and cfg["markov_rank"] == 0
+    assert cfg["intermediate_size"] == 24
+    assert Method(json.loads((tmp_path / "train_config.json").read_text())["method"]) == Method.NONE

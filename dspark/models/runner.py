@@ -1,0 +1,328 @@
+"""`TargetRunner`: the verifier's engine (DESIGN.md sections 5 and 7, issue 3).
+
+Glossary
+- *request*: one sequence with its own KV cache blocks; identified by any hashable id.
+- *item*: what one request contributes to a forward: new token ids appended to its sequence, and
+  from which new-token index on logits are wanted (verification of l drafts asks for the last
+  l + 1 rows: anchor and drafts; a prefill asks for the last row only).
+- *pass*: one model forward over a flattened batch of at most `max_tokens_per_pass` tokens; a
+  forward whose items hold more tokens (a long prompt: chunked prefill) runs several passes, a
+  request's chunks in order.
+
+All KV blocks for a forward are reserved before the first pass: either the whole forward fits or
+`KVCacheFull` is raised with the cache untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dspark.models.config import ModelConfig
+from dspark.models.kv_cache import KVCacheFull, PagedKVCache, RequestId
+from dspark.models.loader import load_model, resolve_dtype
+from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
+
+__all__ = ["RunnerConfig", "ForwardItem", "ForwardOutput", "TargetRunner", "KVCacheFull",
+           "generate_greedy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """How the target runs. Build it in the CLI/service and pass it down."""
+
+    device: str = "cpu"
+    """torch device; "cuda" works the same way (nothing here assumes a CPU)."""
+    dtype: str | None = None
+    """"float32" | "bfloat16" | "float16"; None: float32 on CPU, bfloat16 on CUDA."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_cache_tokens: int = 16384
+    """Cache capacity in tokens (rounded up to whole blocks), shared by all requests."""
+    max_tokens_per_pass: int = 256
+    """Chunk size: at most this many new tokens go through one model forward (chunked prefill)."""
+    hidden_layer_ids: tuple[int, ...] = ()
+    """Decoder layers whose outputs `forward` returns for every new token (DeepSpec's target_layer_ids)."""
+    attention: AttentionImpl = AttentionImpl.PER_REQUEST
+    """Per-request SDPA calls; measured faster on CPU than one block-diagonal call (see docs)."""
+    cpu_upcast_min_rows: int | None = 4
+    """CPU with bf16/fp16 weights: matrix products over at least this many rows run in float32
+    (transformer.Linear; ~4x faster on CPUs without bf16 units). None: never. Ignored on CUDA."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.kv_cache_tokens <= 0 or self.max_tokens_per_pass <= 0:
+            raise ValueError("block_size, kv_cache_tokens and max_tokens_per_pass must be positive")
+        if self.dtype is not None:
+            resolve_dtype(self.dtype)
+        if len(set(self.hidden_layer_ids)) != len(self.hidden_layer_ids):
+            raise ValueError(f"hidden_layer_ids has duplicates: {self.hidden_layer_ids}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return resolve_dtype(self.dtype)
+        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardItem:
+    """Append `token_ids` to request `request_id`; return logits for new-token indices
+    `logits_from .. len(token_ids) - 1` (None: only the last)."""
+
+    request_id: RequestId
+    token_ids: Sequence[int]
+    logits_from: int | None = None
+
+    @property
+    def first_logit(self) -> int:
+        return len(self.token_ids) - 1 if self.logits_from is None else self.logits_from
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    """Results of one `TargetRunner.forward`, rows in item order."""
+
+    logits: torch.Tensor
+    """[num_logit_rows, vocab_size] float32."""
+    logit_counts: list[int]
+    """[num_items]: logit rows per item."""
+    hidden: torch.Tensor | None
+    """[num_tokens, len(hidden_layer_ids), hidden_size] in the model dtype; None without hidden_layer_ids."""
+    hidden_counts: list[int]
+    """[num_items]: hidden rows per item (its number of new tokens)."""
+
+    def logits_of(self, item_index: int) -> torch.Tensor:
+        """Logits [logit_counts[item_index], vocab_size] of one item."""
+        start = sum(self.logit_counts[:item_index])
+        return self.logits[start:start + self.logit_counts[item_index]]
+
+    def hidden_of(self, item_index: int) -> torch.Tensor:
+        """Hidden states [hidden_counts[item_index], num_layers_selected, hidden_size] of one item."""
+        if self.hidden is None:
+            raise ValueError("no hidden_layer_ids configured")
+        start = sum(self.hidden_counts[:item_index])
+        return self.hidden[start:start + self.hidden_counts[item_index]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Tokens `start..end-1` of item `item` (one chunk of it) in one pass."""
+
+    item: int
+    start: int
+    end: int
+
+
+class TargetRunner:
+    """Our target model with a paged KV cache, run over flattened variable-length batches."""
+
+    def __init__(self, model_dir: str | Path | None = None, config: RunnerConfig = RunnerConfig(),
+                 model: Transformer | None = None) -> None:
+        if (model_dir is None) == (model is None):
+            raise ValueError("give exactly one of model_dir and model")
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.model = model if model is not None else load_model(model_dir, self.dtype, self.device)
+        low_precision_cpu = self.device.type == "cpu" and self.dtype != torch.float32
+        self.model.set_upcast_min_rows(config.cpu_upcast_min_rows if low_precision_cpu else None)
+        mc = self.model_config
+        bad = [i for i in config.hidden_layer_ids if not 0 <= i < mc.num_hidden_layers]
+        if bad:
+            raise ValueError(f"hidden_layer_ids {bad} outside 0..{mc.num_hidden_layers - 1}")
+        self.cache = PagedKVCache(
+            num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+            num_blocks=-(-config.kv_cache_tokens // config.block_size), block_size=config.block_size,
+            dtype=self.dtype, device=self.device)
+
+    # -- model facts ---------------------------------------------------------------------------
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head of layer outputs [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden)
+
+    # -- request lifecycle ---------------------------------------------------------------------
+    def add_request(self, request_id: RequestId) -> None:
+        self.cache.manager.add_request(request_id)
+
+    def has_request(self, request_id: RequestId) -> bool:
+        return request_id in self.cache.manager
+
+    def length(self, request_id: RequestId) -> int:
+        """Tokens of the request held in the KV cache."""
+        return self.cache.manager.length(request_id)
+
+    def truncate(self, request_id: RequestId, num_tokens: int) -> None:
+        """Keep the request's first `num_tokens` tokens (drop rejected drafts); frees unneeded blocks."""
+        self.cache.manager.truncate(request_id, num_tokens)
+
+    def free(self, request_id: RequestId) -> None:
+        self.cache.manager.free(request_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.cache.manager.num_free_blocks
+
+    def can_fit(self, grow: dict[RequestId, int]) -> bool:
+        """Whether growing requests by these token counts fits in the free blocks."""
+        return self.cache.manager.extra_blocks_needed(grow) <= self.cache.manager.num_free_blocks
+
+    # -- the forward ---------------------------------------------------------------------------
+    def forward(self, items: Sequence[ForwardItem]) -> ForwardOutput:
+        """Append each item's tokens to its request and run the model over all of them at once.
+
+        Raises KVCacheFull (nothing changed) if the cache cannot hold all the new tokens.
+        """
+        self._validate(items)
+        manager = self.cache.manager
+        old_lengths = [manager.length(it.request_id) for it in items]
+        manager.grow({it.request_id: len(it.token_ids) for it in items})
+        try:
+            with torch.inference_mode():
+                return self._run(items, old_lengths)
+        except BaseException:
+            for it, n in zip(items, old_lengths):
+                manager.truncate(it.request_id, n)
+            raise
+
+    def _validate(self, items: Sequence[ForwardItem]) -> None:
+        if not items:
+            raise ValueError("forward needs at least one item")
+        seen = set()
+        for it in items:
+            if it.request_id in seen:
+                raise ValueError(f"request {it.request_id!r} appears twice in one forward")
+            seen.add(it.request_id)
+            if it.request_id not in self.cache.manager:
+                raise KeyError(f"unknown request {it.request_id!r}; add_request first")
+            if not it.token_ids:
+                raise ValueError(f"request {it.request_id!r}: no new tokens")
+            if not 0 <= it.first_logit <= len(it.token_ids):
+                raise ValueError(f"request {it.request_id!r}: logits_from {it.logits_from} outside "
+                                 f"0..{len(it.token_ids)}")
+
+    def _plan(self, items: Sequence[ForwardItem]) -> list[list[_Piece]]:
+        """Split the items' tokens into passes of <= max_tokens_per_pass, each request's chunks in order."""
+        budget = self.config.max_tokens_per_pass
+        passes: list[list[_Piece]] = [[]]
+        room = budget
+        for index, it in enumerate(items):
+            start = 0
+            while start < len(it.token_ids):
+                if room == 0:
+                    passes.append([])
+                    room = budget
+                end = min(len(it.token_ids), start + room)
+                passes[-1].append(_Piece(index, start, end))
+                room -= end - start
+                start = end
+        return passes
+
+    def _run(self, items: Sequence[ForwardItem], old_lengths: list[int]) -> ForwardOutput:
+        logits_parts: list[list[torch.Tensor]] = [[] for _ in items]
+        hidden_parts: list[list[torch.Tensor]] = [[] for _ in items]
+        group = self.model_config.num_queries_per_kv
+        layer_ids = self.config.hidden_layer_ids
+        for pieces in self._plan(items):
+            batch, logit_rows = self._flat_batch(items, old_lengths, pieces)
+            batch.prepare(self.config.attention, group, self.config.block_size)
+            h, hidden = self.model(batch, self.cache, self.config.attention, layer_ids)
+            rows = torch.tensor(list(itertools.chain.from_iterable(logit_rows)), dtype=torch.int64)
+            logits = self.model.compute_logits(h.index_select(0, rows.to(self.device)))
+            row = token = 0
+            for piece, piece_rows in zip(pieces, logit_rows):
+                logits_parts[piece.item].append(logits[row:row + len(piece_rows)])
+                row += len(piece_rows)
+                if hidden is not None:
+                    hidden_parts[piece.item].append(hidden[token:token + piece.end - piece.start])
+                token += piece.end - piece.start
+        logit_counts = [sum(p.shape[0] for p in parts) for parts in logits_parts]
+        out_logits = torch.cat([p for parts in logits_parts for p in parts], dim=0)
+        out_hidden = (torch.cat([p for parts in hidden_parts for p in parts], dim=0)
+                      if layer_ids else None)
+        return ForwardOutput(out_logits, logit_counts, out_hidden, [len(it.token_ids) for it in items])
+
+    def _flat_batch(self, items: Sequence[ForwardItem], old_lengths: list[int],
+                    pieces: list[_Piece]) -> tuple[FlatBatch, list[list[int]]]:
+        """Metadata of one pass, and per piece the pass-local token rows that need logits."""
+        manager = self.cache.manager
+        token_ids: list[int] = []
+        positions, slot_mapping, gather_blocks = [], [], []
+        query_lens, context_lens, in_place, context_offsets, logit_rows = [], [], [], [], []
+        # The block-diagonal mask needs every context in one gathered tensor.
+        allow_in_place = self.config.attention is AttentionImpl.PER_REQUEST
+        for piece in pieces:
+            it = items[piece.item]
+            first_pos = old_lengths[piece.item] + piece.start
+            ctx_len = old_lengths[piece.item] + piece.end
+            q_len = piece.end - piece.start
+            offset = len(token_ids)
+            logit_rows.append([offset + i - piece.start
+                               for i in range(max(piece.start, it.first_logit), piece.end)])
+            token_ids.extend(it.token_ids[piece.start:piece.end])
+            positions.append(torch.arange(first_pos, ctx_len, dtype=torch.int64))
+            slot_mapping.append(manager.slots(it.request_id, first_pos, ctx_len))  # [q_len]
+            start = manager.contiguous_start(it.request_id, ctx_len) if allow_in_place else None
+            in_place.append(start is not None)
+            if start is not None:
+                context_offsets.append(start)
+            else:
+                context_offsets.append(len(gather_blocks) * manager.block_size)
+                gather_blocks.extend(manager.block_ids(it.request_id, ctx_len))
+            query_lens.append(q_len)
+            context_lens.append(ctx_len)
+        device = self.device
+        batch = FlatBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
+            positions=torch.cat(positions).to(device),
+            slot_mapping=torch.cat(slot_mapping).to(device),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            context_in_place=in_place,
+            context_offsets=context_offsets,
+            gather_blocks=torch.tensor(gather_blocks, dtype=torch.int64).to(device),
+        )
+        return batch, logit_rows
+
+
+def generate_greedy(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
+    """Greedy-decode all prompts concurrently (one flattened forward per step); new tokens per prompt.
+
+    A stream stops after `max_new_tokens` or after emitting a token in `stop_token_ids` (kept).
+    """
+    if max_new_tokens <= 0:
+        return [[] for _ in prompts]
+    stop = set(stop_token_ids)
+    request_ids = [("generate_greedy", id(prompts), i) for i in range(len(prompts))]
+    for rid in request_ids:
+        runner.add_request(rid)
+    try:
+        outputs: list[list[int]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        items = [ForwardItem(request_ids[i], list(prompts[i])) for i in active]
+        while active:
+            next_tokens = runner.forward(items).logits.argmax(dim=-1).tolist()
+            still = []
+            for i, tok in zip(active, next_tokens):
+                outputs[i].append(tok)
+                if tok not in stop and len(outputs[i]) < max_new_tokens:
+                    still.append(i)
+            active = still
+            items = [ForwardItem(request_ids[i], [outputs[i][-1]]) for i in active]
+        return outputs
+    finally:
+        for rid in request_ids:
+            runner.free(rid)

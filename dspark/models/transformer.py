@@ -1,0 +1,286 @@
+"""The decoder forward pass over a flattened batch (DESIGN.md section 5, "Variable lengths").
+
+Glossary
+- *flattened batch*: the new tokens of all requests in one sequence [num_tokens]; request r owns
+  the contiguous run `query_start[r] .. query_start[r] + query_len[r] - 1`. No padding.
+- *context* of request r: all its tokens with K/V in the cache after this step's tokens are
+  written, positions 0..context_len[r]-1; its new tokens are the last query_len[r] of them.
+- Attention of a new token at position p covers its own request's context positions 0..p.
+
+The layer math mirrors transformers' Llama / Qwen2 / Qwen3 modules (RMSNorm in float32,
+half-rotation RoPE, SiLU-gated MLP) so the two agree to float rounding. Projections are fused
+(q|k|v in one matrix, gate|up in another): fewer, larger matrix products.
+
+Grouped-query attention without copying K/V: the `num_queries_per_kv` query heads that share a
+KV head are stacked along the sequence axis, so one SDPA call per KV head group sees
+q [num_kv_heads, group * q_len, head_dim] against k, v [num_kv_heads, context_len, head_dim].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.config import ModelConfig
+from dspark.models.kv_cache import PagedKVCache
+
+
+class AttentionImpl(enum.Enum):
+    """How attention over the flattened batch is computed (both give the same numbers)."""
+
+    PER_REQUEST = "per_request"
+    """One SDPA call per request over its gathered context (work ~ sum_r q_len_r * ctx_len_r)."""
+    BLOCK_DIAGONAL = "block_diagonal"
+    """One SDPA call over all contexts with a block-diagonal causal mask
+    (work ~ num_tokens * sum_r ctx_len_r, but one call per layer)."""
+
+
+@dataclasses.dataclass
+class FlatBatch:
+    """Per-token and per-request metadata of one forward pass; shared by all layers."""
+
+    token_ids: torch.Tensor
+    """[num_tokens] int64."""
+    positions: torch.Tensor
+    """[num_tokens] int64: each token's position in its request."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: cache slot each new token's K/V is written to."""
+    query_lens: list[int]
+    """[num_requests]: new tokens per request."""
+    context_lens: list[int]
+    """[num_requests]: context length per request (cached + new)."""
+    context_in_place: list[bool]
+    """[num_requests]: the request's context is read where it lies in the cache (its blocks are
+    consecutive), else from the gathered copy."""
+    context_offsets: list[int]
+    """[num_requests]: first row of the request's context: a cache slot when in place, else a row
+    of the gathered K/V."""
+    gather_blocks: torch.Tensor
+    """[num_gathered_blocks] int64: the blocks of the contexts not read in place, in request order."""
+    masks: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    """PER_REQUEST: per request, bool [group * q_len, context_len] (None when q_len == 1)."""
+    block_mask: torch.Tensor | None = None
+    """BLOCK_DIAGONAL: bool [group * num_tokens, num_context_blocks * block_size]."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    def prepare(self, impl: AttentionImpl, group: int, block_size: int) -> None:
+        """Build the attention masks `impl` needs (once per forward, before the layers)."""
+        device = self.token_ids.device
+        if impl is AttentionImpl.PER_REQUEST:
+            self.masks = []
+            for q_len, ctx_len in zip(self.query_lens, self.context_lens):
+                if q_len == 1:  # the single new token sees the whole context
+                    self.masks.append(None)
+                    continue
+                i = torch.arange(q_len, device=device)[:, None]
+                j = torch.arange(ctx_len, device=device)[None, :]
+                mask = j <= (ctx_len - q_len) + i  # [q_len, ctx_len]
+                self.masks.append(mask.repeat(group, 1))  # [group * q_len, ctx_len]
+        else:
+            assert not any(self.context_in_place), "the block-diagonal mask spans gathered contexts only"
+            num_requests = len(self.query_lens)
+            request_of_token = torch.repeat_interleave(
+                torch.arange(num_requests, device=device),
+                torch.tensor(self.query_lens, device=device))  # [num_tokens]
+            offsets = torch.tensor(self.context_offsets, device=device)  # [num_requests]
+            rows_per_request = torch.diff(offsets, append=torch.tensor(
+                [self.gather_blocks.shape[0] * block_size], device=device))
+            request_of_row = torch.repeat_interleave(
+                torch.arange(num_requests, device=device), rows_per_request)  # [num_rows]
+            pos_of_row = torch.arange(request_of_row.shape[0], device=device) - offsets[request_of_row]
+            # A row past the request's context (the unused tail of its last block) has a position
+            # beyond every query's, so the causal test masks it too.
+            mask = (request_of_token[:, None] == request_of_row[None, :]) & (
+                pos_of_row[None, :] <= self.positions[:, None])  # [num_tokens, num_rows]
+            self.block_mask = mask.repeat(group, 1)  # [group * num_tokens, num_rows]
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product over many rows can run in float32 although the weights are bf16/fp16.
+
+    CPUs without native bf16 matrix units (AVX2 only) multiply bf16 at a fixed ~5 GFLOP/s, about
+    4x slower than float32 once more than a few rows share the weights; a single row is bound by
+    memory traffic, where bf16's half-size weights win. So at `upcast_min_rows` rows or more
+    (None: never) inputs and weights are widened to float32, multiplied, and the result rounded
+    back: the same fp32-accumulated arithmetic as a bf16 GEMM, in another summation order.
+    """
+
+    upcast_min_rows: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast_min_rows is not None and x.shape[0] >= self.upcast_min_rows:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm: normalise in float32, scale in x's dtype.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-rotation RoPE of x [num_tokens, heads, head_dim] (transformers' op order)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class Rotary(nn.Module):
+    """cos/sin [num_tokens, head_dim] for arbitrary positions (computed per forward)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq, self.scaling = config.rope.inv_freq_and_scaling(config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2] float32
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.float()  # [num_tokens, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.group = config.num_queries_per_kv
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: FlatBatch,
+                impl: AttentionImpl, cache: PagedKVCache, layer: int) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        qkv = qkv.view(num_tokens, -1, self.head_dim)  # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [num_tokens, 1, head_dim]
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        if self.q_norm is None:  # q and k are adjacent: rotate both with one set of ops
+            q, k = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin).split(
+                [self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :self.num_heads]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, self.num_heads:self.num_heads + self.num_kv_heads]), cos, sin)
+        cache.write(layer, batch.slot_mapping, k, v)
+        # Context K/V as [num_kv_heads, rows, head_dim] views: the cache itself, and a gathered copy
+        # of the contexts whose blocks are scattered.
+        k_cache, v_cache = cache.k[layer].flatten(0, 1).transpose(0, 1), cache.v[layer].flatten(0, 1).transpose(0, 1)
+        if batch.gather_blocks.numel():
+            k_gathered, v_gathered = cache.gather(layer, batch.gather_blocks)  # [rows, num_kv_heads, head_dim]
+            k_gathered, v_gathered = k_gathered.transpose(0, 1), v_gathered.transpose(0, 1)
+
+        # Query heads of one KV group stacked along the sequence: [num_kv_heads, group, num_tokens, head_dim]
+        q = q.view(num_tokens, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
+        if impl is AttentionImpl.BLOCK_DIAGONAL:
+            q = q.reshape(self.num_kv_heads, self.group * num_tokens, self.head_dim)
+            out = F.scaled_dot_product_attention(q[None], k_gathered[None], v_gathered[None],
+                                                 attn_mask=batch.block_mask, scale=self.scale)[0]
+            out = out.view(self.num_kv_heads, self.group, num_tokens, self.head_dim)
+        else:
+            out = q.new_empty(self.num_kv_heads, self.group, num_tokens, self.head_dim)
+            q_start = 0
+            for q_len, ctx_len, in_place, ctx_start, mask in zip(
+                    batch.query_lens, batch.context_lens, batch.context_in_place, batch.context_offsets,
+                    batch.masks):
+                k_ctx, v_ctx = (k_cache, v_cache) if in_place else (k_gathered, v_gathered)
+                q_r = q[:, :, q_start:q_start + q_len].reshape(
+                    self.num_kv_heads, self.group * q_len, self.head_dim)
+                # 4-D inputs: the CPU flash kernel takes only [batch, heads, seq, head_dim].
+                out_r = F.scaled_dot_product_attention(
+                    q_r[None], k_ctx[None, :, ctx_start:ctx_start + ctx_len],
+                    v_ctx[None, :, ctx_start:ctx_start + ctx_len],
+                    attn_mask=mask, scale=self.scale)[0]  # [num_kv_heads, group * q_len, head_dim]
+                out[:, :, q_start:q_start + q_len] = out_r.view(
+                    self.num_kv_heads, self.group, q_len, self.head_dim)
+                q_start += q_len
+        out = out.permute(2, 0, 1, 3).reshape(num_tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: FlatBatch,
+                impl: AttentionImpl, cache: PagedKVCache, layer: int) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, impl, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only causal LM. `embed_tokens`, `norm` and `lm_head` are public: the drafter shares them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config)
+
+    def forward(self, batch: FlatBatch, cache: PagedKVCache, impl: AttentionImpl,
+                hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run all layers over the flattened batch, writing its K/V into `cache`.
+
+        Returns the last layer's output [num_tokens, hidden_size] (before the final norm) and, when
+        `hidden_layer_ids` is non-empty, those layers' outputs [num_tokens, len(hidden_layer_ids), hidden_size].
+        """
+        h = self.embed_tokens(batch.token_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary(batch.positions, h.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, batch, impl, cache, i)
+            if i in hidden_layer_ids:
+                captured[i] = h
+        hidden = torch.stack([captured[i] for i in hidden_layer_ids], dim=1) if hidden_layer_ids else None
+        return h, hidden
+
+    def set_upcast_min_rows(self, rows: int | None) -> None:
+        """Rows from which bf16/fp16 matrix products run in float32 (see `Linear`); None: never."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.upcast_min_rows = rows
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: h [num_rows, hidden_size] (a layer output) -> logits [num_rows, vocab_size] float32."""
+        return self.lm_head(self.norm(h)).float()

@@ -1,0 +1,179 @@
+"""`dspark generate`: stream one generation from the embedded engine (DESIGN.md section 10).
+
+Only the generated text goes to stdout (streamed as it is produced); logs and `--stats` go to
+stderr. The target is the prepared SmolLM2 unless `--model-dir` says otherwise (prepared on first
+use, like `dspark fetch-model`); the drafter is the shipped DSpark checkpoint when there is one,
+else the engine decodes with the target alone (still exact, just not faster). The cost table
+SPS(B) is read from `--cost-table`, or measured at start-up and cached under DSPARK_HOME.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.admission import AdmissionPolicy
+from dspark.cost_table import CostTable
+from dspark.engine import Engine, EngineConfig
+from dspark.sampling import SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DRAFTER = REPO_ROOT / "checkpoints" / "dspark-markov"
+# Batch sizes (flattened tokens) measured by the start-up profile: a few forwards, about a second.
+STARTUP_PROFILE_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def startup_cost_table(runner, sizes=STARTUP_PROFILE_SIZES, context_len: int = 64,
+                       repeats: int = 2) -> CostTable:
+    """Measure SPS(B) quickly on this machine: one request of `context_len` tokens, then B new
+    tokens at once (truncated back after each forward), median of `repeats`."""
+    from dspark.models.runner import ForwardItem
+
+    rid = ("startup-profile",)
+    runner.add_request(rid)
+    try:
+        runner.forward([ForwardItem(rid, [1] * context_len)])
+        seconds = {}
+        for b in sizes:
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                start = time.perf_counter()
+                runner.forward([ForwardItem(rid, [1] * b, logits_from=0)])
+                times.append(time.perf_counter() - start)
+                runner.truncate(rid, context_len)
+            seconds[b] = sorted(times[1:])[len(times[1:]) // 2]
+    finally:
+        runner.free(rid)
+    return CostTable.from_step_seconds(seconds, meta={"source": "dspark generate start-up profile",
+                                                      "context_len": context_len})
+
+
+def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
+                 cost_table_path: Path | None, max_running: int = 16,
+                 sparse_top_k: int | None = None, device: str = "cpu"):
+    """The embedded engine with the target (and drafter when given); returns (engine, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from dspark.evaluation.loading import load_method_drafter, load_target
+    from dspark.models.drafter_config import DrafterConfig
+    from dspark.verifier import TargetVerifier
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    parsed = AdmissionPolicy.parse(policy)
+    use_drafter = drafter_dir is not None and str(parsed) != "none"
+    layer_ids = tuple(DrafterConfig.load(drafter_dir).target_layer_ids) if use_drafter else ()
+    runner = load_target(model_dir, layer_ids, kv_cache_tokens=max_running * 4096, device=device,
+                         dtype=dtype)
+    drafter = (load_method_drafter(drafter_dir, runner, apply_calibration=True)
+               if use_drafter else None)
+    if cost_table_path is not None and Path(cost_table_path).exists():
+        table = CostTable.load(cost_table_path)
+    else:
+        table = startup_cost_table(runner)
+        if cost_table_path is not None:
+            Path(cost_table_path).parent.mkdir(parents=True, exist_ok=True)
+            table.save(cost_table_path)
+    engine = Engine(TargetVerifier(runner), drafter, table,
+                    EngineConfig(policy=parsed, max_running=max_running, sparse_top_k=sparse_top_k))
+    return engine, tokenizer
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt (with --chat: one user message)")
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    parser.add_argument("--policy", default="async_topk",
+                        help="async_topk | sync_greedy | none | fixed:N | threshold:H")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stats", action="store_true", help="acceptance figures to stderr")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="target folder (default: the prepared SmolLM2)")
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help=f"drafter checkpoint folder (default: {DEFAULT_DRAFTER} if present)")
+    parser.add_argument("--cost-table", type=Path, default=None,
+                        help="SPS(B) table JSON (default: measured at start-up, cached in DSPARK_HOME)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed)
+        AdmissionPolicy.parse(args.policy)
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    except ValueError as e:
+        log(f"dspark generate: {e}")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from dspark.fetch import dspark_home, ensure_model
+
+    model_dir = args.model_dir or ensure_model()
+    drafter_dir = args.drafter
+    if drafter_dir is None and DEFAULT_DRAFTER.is_dir():
+        drafter_dir = DEFAULT_DRAFTER
+    if drafter_dir is None and args.policy != "none":
+        log(f"no drafter checkpoint (looked for {DEFAULT_DRAFTER}): decoding with the target only")
+    cost_table = args.cost_table or (dspark_home() / f"cost_table_{Path(model_dir).name}_{args.dtype}.json")
+    engine, tokenizer = build_engine(Path(model_dir), drafter_dir, args.policy, args.dtype, cost_table)
+
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                             tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = tokenizer(args.prompt)["input_ids"]
+    stops = stop_token_ids(tokenizer)
+    rid = engine.add_request(prompt_ids, sampling, args.max_tokens, stops)
+    request = engine.waiting[-1]
+
+    start = time.perf_counter()
+    first_token_at = None
+    printed = ""
+    for out in engine.stream():
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+        ids = [t for t in request.output_ids if t not in stops]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        # Print only the stable part: a partial UTF-8 character decodes to U+FFFD until complete.
+        if not out.finished and text.endswith("\ufffd"):
+            continue
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    if args.stats:
+        m = request.metrics
+        n = len(request.output_ids)
+        after_first = elapsed - ((first_token_at or start) - start)
+        per_pos = [f"{a / v:.2f}" if v else "-" for a, v in
+                   zip(m.accepted_per_position, m.verified_per_position)]
+        log(f"[stats] tokens={n} rounds={m.rounds} tau={m.tau:.2f} "
+            f"drafts_verified={m.drafts_verified} drafts_accepted={m.drafts_accepted} "
+            f"accept_per_position=[{', '.join(per_pos)}] finish={request.finish_reason} "
+            f"seconds={elapsed:.2f} tokens_per_s={max(n - 1, 0) / max(after_first, 1e-9):.1f} "
+            f"policy={args.policy} drafter={drafter_dir or 'none'}")
+    return 0

@@ -1,0 +1,267 @@
+"""`dspark data generate`: the target answers the training prompts itself (DESIGN.md section 4).
+
+The drafter must learn the target's behaviour, so its training answers are the target's own,
+sampled with the chat template at temperature 0.7, top-p 0.8, top-k 20 through our target runner,
+many prompts at once in one flattened batch (continuous batching: a finished answer's slot is
+refilled at the next step).
+
+Prompts come from `../shared/data/train/` (math, code, chat), mixed per source with caps so the
+short one-liner sources (nl2bash, nq_open) do not dominate; math prompts get the eval sets'
+"reason step by step" suffix and code prompts the HumanEval prefix, so answers come in the style
+the eval prompts ask for. The evaluation prompts are never used here.
+
+Output: one JSON object per answered prompt, appended to a `.jsonl` as soon as it finishes, so an
+interrupted run resumes where it stopped (prompts already in the file are skipped):
+`{"id", "source", "split", "prompt_ids", "answer_ids", "finished"}`, where `split` is `train` or
+`heldout` (a deterministic hash of the id; the held-out split calibrates the confidence head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+CODE_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n"
+
+# Share of prompts per source. nl2bash and nq_open are mostly one-line answers: capped low.
+SOURCE_WEIGHTS: dict[str, float] = {
+    "gsm8k": 0.20, "math": 0.15,
+    "gpteacher_codegen": 0.12, "mbpp": 0.05, "exercism": 0.02, "conala": 0.06, "nl2bash": 0.04,
+    "gpteacher_roleplay": 0.12, "awesome_chatgpt_prompts": 0.08, "self_instruct_seed": 0.04,
+    "nq_open": 0.12,
+}
+
+
+@dataclass(frozen=True)
+class DataGenConfig:
+    """What `dspark data generate` produces."""
+
+    model_dir: Path
+    """The target (Hugging Face format folder)."""
+    train_dir: Path
+    """Folder of training prompt files (`<domain>_<source>.jsonl`)."""
+    out: Path
+    """Output `.jsonl` (or `.jsonl.gz`); appended to, so a run resumes."""
+    num_prompts: int = 1000
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    """Concurrent answers in flight (one flattened batch)."""
+    sampling: SamplingParams = field(
+        default_factory=lambda: SamplingParams(temperature=0.7, top_p=0.8, top_k=20))
+    heldout_fraction: float = 0.1
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("num_prompts, max_new_tokens and batch_size must be >= 1")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError("heldout_fraction must be in [0, 1)")
+
+
+@dataclass
+class Prompt:
+    id: str
+    source: str
+    domain: str
+    text: str  # the user message as sent (suffix/prefix applied)
+
+
+def split_of(prompt_id: str, heldout_fraction: float) -> str:
+    """Deterministic train/held-out assignment from the id alone."""
+    h = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "big") / 2.0 ** 64
+    return "heldout" if h < heldout_fraction else "train"
+
+
+def styled(domain: str, source: str, text: str) -> str:
+    if domain == "math":
+        return text + MATH_SUFFIX
+    if domain == "code" and source in ("mbpp", "exercism", "gpteacher_codegen"):
+        return CODE_PREFIX + text
+    return text
+
+
+def select_prompts(train_dir: Path, num_prompts: int, seed: int) -> list[Prompt]:
+    """A seeded mix of the training prompts following SOURCE_WEIGHTS (sources without a weight
+    are skipped; a source with too few prompts gives what it has)."""
+    by_source: dict[str, list[Prompt]] = {}
+    for path in sorted(Path(train_dir).glob("*.jsonl")):
+        with open(path, encoding="utf-8") as f:  # not splitlines(): prompts hold U+2028
+            rows = [json.loads(line) for line in f if line.strip()]
+        for row in rows:
+            by_source.setdefault(row["source"], []).append(
+                Prompt(row["id"], row["source"], row["domain"],
+                       styled(row["domain"], row["source"], row["prompt"])))
+    rng = random.Random(seed)
+    chosen: list[Prompt] = []
+    total_weight = sum(SOURCE_WEIGHTS[s] for s in by_source if s in SOURCE_WEIGHTS)
+    for source in sorted(by_source):
+        if source not in SOURCE_WEIGHTS:
+            continue
+        pool = by_source[source]
+        rng.shuffle(pool)
+        chosen += pool[:round(num_prompts * SOURCE_WEIGHTS[source] / total_weight)]
+    rng.shuffle(chosen)
+    return chosen[:num_prompts]
+
+
+def encode_chat(tokenizer, text: str) -> list[int]:
+    """Token ids of one user message under the model's chat template, ready for the answer."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def _open(path: Path, mode: str):
+    return gzip.open(path, mode + "t") if str(path).endswith(".gz") else open(path, mode)
+
+
+def read_records(path: Path) -> Iterator[dict]:
+    """The records of a generated data file (plain or gzipped jsonl)."""
+    if not Path(path).exists():
+        return
+    with _open(Path(path), "r") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                yield json.loads(line)
+
+
+def generate_answers(runner, prompts: list[tuple[str, list[int]]], *, max_new_tokens: int,
+                     batch_size: int, sampling: SamplingParams, eos_token_ids: set[int],
+                     generator: torch.Generator | None = None) -> Iterator[tuple[str, list[int], bool]]:
+    """Answer many prompts with continuous batching through the target runner.
+
+    prompts: (key, prompt token ids). Yields (key, answer ids, finished_by_eos) as each finishes.
+    """
+    from dspark.models.runner import ForwardItem
+
+    pending = list(reversed(prompts))
+    active: dict[str, list[int]] = {}  # key -> answer so far
+    row_params = None
+    while pending or active:
+        items = []
+        while pending and len(active) < batch_size:
+            key, ids = pending.pop()
+            active[key] = []
+            runner.add_request(key)
+            items.append(ForwardItem(key, ids, logits_from=len(ids) - 1))
+        for key, answer in active.items():
+            if answer:  # not just admitted: feed the last sampled token
+                items.append(ForwardItem(key, [answer[-1]], logits_from=0))
+        out = runner.forward(items)  # one logit row per item, in item order
+        if row_params is None or row_params.temperature.shape[0] != len(items):
+            row_params = SamplingTensors.from_params([sampling] * len(items))
+        probs = probs_from_logits(out.logits, row_params)  # [num_items, vocab_size]
+        tokens = sample_from_probs(probs, torch.rand(len(items), generator=generator)).tolist()
+        for item, token in zip(items, tokens):
+            answer = active[item.request_id]
+            answer.append(token)
+            eos = token in eos_token_ids
+            if eos or len(answer) >= max_new_tokens:
+                runner.free(item.request_id)
+                del active[item.request_id]
+                yield item.request_id, answer, eos
+
+
+def run_generation(config: DataGenConfig) -> dict:
+    """Generate (or resume) the data file; returns counts."""
+    from transformers import AutoTokenizer
+    from tqdm import tqdm
+
+    from dspark.models.runner import RunnerConfig, TargetRunner
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+    prompts = select_prompts(config.train_dir, config.num_prompts, config.seed)
+    done = {r["id"] for r in read_records(config.out)}
+    todo = [p for p in prompts if p.id not in done]
+    by_id = {p.id: p for p in todo}
+    encoded = [(p.id, encode_chat(tokenizer, p.text)) for p in todo]
+    prompt_ids = dict(encoded)
+    eos = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    eos.discard(None)
+    runner = TargetRunner(config.model_dir, RunnerConfig(
+        dtype=config.dtype, kv_cache_tokens=config.batch_size * 2048))
+    generator = torch.Generator().manual_seed(config.seed)
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    new_tokens = 0
+    with _open(config.out, "a") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
+                                           desc="answers", unit="ans") as bar:
+        for key, answer, finished in generate_answers(
+                runner, encoded, max_new_tokens=config.max_new_tokens,
+                batch_size=config.batch_size, sampling=config.sampling,
+                eos_token_ids=eos, generator=generator):
+            p = by_id[key]
+            f.write(json.dumps({"id": p.id, "source": p.source,
+                                "split": split_of(p.id, config.heldout_fraction),
+                                "prompt_ids": prompt_ids[key], "answer_ids": answer,
+                                "finished": finished}) + "\n")
+            f.flush()
+            new_tokens += len(answer)
+            bar.update(1)
+            bar.set_postfix(tokens=new_tokens)
+    return summarize(config.out)
+
+
+def summarize(path: Path) -> dict:
+    """Counts of a data file: answers and answer tokens per split."""
+    stats = {"answers": 0, "answer_tokens": 0, "prompt_tokens": 0, "by_split": {}}
+    for r in read_records(path):
+        stats["answers"] += 1
+        stats["answer_tokens"] += len(r["answer_ids"])
+        stats["prompt_tokens"] += len(r["prompt_ids"])
+        s = stats["by_split"].setdefault(r["split"], {"answers": 0, "answer_tokens": 0})
+        s["answers"] += 1
+        s["answer_tokens"] += len(r["answer_ids"])
+    return stats
+
+
+def default_train_dir() -> Path:
+    """`../shared/data/train` beside the repository root."""
+    return Path(__file__).resolve().parents[3] / "shared" / "data" / "train"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["generate", "stats"],
+                        help="generate: answer prompts with the target; stats: count a data file")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="target model folder (default: the prepared SmolLM2)")
+    parser.add_argument("--train-dir", type=Path, default=None,
+                        help="training prompts folder (default: ../shared/data/train)")
+    parser.add_argument("--out", type=Path, default=Path("data/smollm2_answers.jsonl.gz"))
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--heldout-fraction", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "stats":
+        print(json.dumps(summarize(args.out)))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model_dir
+    if model_dir is None:
+        from dspark.fetch import ensure_model
+        model_dir = ensure_model()
+    config = DataGenConfig(model_dir=Path(model_dir), train_dir=args.train_dir or default_train_dir(),
+                           out=args.out, num_prompts=args.num_prompts,
+                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                           heldout_fraction=args.heldout_fraction, seed=args.seed, dtype=args.dtype)
+    print(json.dumps(run_generation(config)))
+    return 0

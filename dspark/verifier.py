@@ -1,0 +1,140 @@
+"""The verifier component: the target model plus lossless verification (DESIGN.md sections 5, 7).
+
+It owns the target runner (and so every request's KV cache) and offers the engine three calls:
+- `prefill`: run prompts, sample each request's first token from the target, and return the
+  prompt tokens' hidden features (the drafter's first context);
+- `verify`: one flattened target forward over every request's [anchor, admitted drafts],
+  rejection sampling (dspark.rejection), KV cache truncated to the committed tokens, and the
+  committed tokens' features for the drafter, with the step's statistics;
+- `release`.
+The engine calls these as plain methods; the services issue puts the same object behind gRPC.
+
+Positions: a request whose KV cache holds n tokens has its anchor at position n. A round feeds
+[x0, x1..x_l] at positions n..n+l and keeps x0 and the accepted drafts: n + 1 + accepted tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from dspark.models.drafter import DraftBlock
+from dspark.models.runner import ForwardItem, TargetRunner
+from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify
+from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+
+
+@dataclass
+class PrefillOutput:
+    first_tokens: list[int]
+    """[num_requests] the first generated token of each request (sampled from the target)."""
+    features: list[torch.Tensor | None]
+    """Per request [prompt_len, num_layers * hidden_size] target features, or None without layers."""
+
+
+@dataclass
+class VerifyRequest:
+    request_id: Hashable
+    anchor_token: int
+    block: DraftBlock | None
+    """The drafted block (None or num_drafts = 0: a plain decoding step)."""
+    num_drafts: int
+    """l_r: how many of the block's tokens the admission admitted."""
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class VerifyOutput:
+    num_accepted: list[int]
+    """[num_requests] accepted drafts."""
+    output_tokens: list[list[int]]
+    """[num_requests] accepted drafts then the recovered or bonus token."""
+    features: list[torch.Tensor | None]
+    """[num_requests] features [1 + accepted, num_layers * hidden_size] of the committed tokens
+    (anchor and accepted drafts), or None without hidden layers."""
+    batch_tokens: int
+    """B = sum_r (1 + l_r): tokens the target processed."""
+    step_seconds: float
+    """Wall time of the target forward (what SPS(B) measures)."""
+
+
+class TargetVerifier:
+    """Target runner + rejection sampler, with no scheduling logic of its own."""
+
+    def __init__(self, runner: TargetRunner) -> None:
+        self.runner = runner
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def _flat_features(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        # [n, num_layers, hidden_size] -> [n, num_layers * hidden_size]
+        return None if hidden is None else hidden.reshape(hidden.shape[0], -1)
+
+    def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
+                sampling: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> PrefillOutput:
+        for rid in request_ids:
+            self.runner.add_request(rid)
+        try:
+            out = self.runner.forward([ForwardItem(rid, list(p)) for rid, p in zip(request_ids, prompts)])
+        except BaseException:
+            for rid in request_ids:
+                self.runner.free(rid)
+            raise
+        probs = probs_from_logits(out.logits, SamplingTensors.from_params(sampling))  # [R, V]
+        uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])  # [R]
+        first = sample_from_probs(probs, uniforms).tolist()
+        features = [self._flat_features(out.hidden_of(i)) if out.hidden is not None else None
+                    for i in range(len(request_ids))]
+        return PrefillOutput(first, features)
+
+    def verify(self, requests: Sequence[VerifyRequest]) -> VerifyOutput:
+        items, tokens, probs, indices = [], [], [], []
+        lens = []
+        for req in requests:
+            n = req.num_drafts if req.block is not None else 0
+            drafts = req.block.tokens[:n].tolist() if n else []
+            if n:
+                tokens.append(req.block.tokens[:n])
+                probs.append(req.block.probs[:n])
+                if req.block.indices is not None:
+                    indices.append(req.block.indices[:n])
+            lens.append(n)
+            items.append(ForwardItem(req.request_id, [req.anchor_token] + drafts, logits_from=0))
+        old_lengths = [self.runner.length(r.request_id) for r in requests]
+        start = time.perf_counter()
+        out = self.runner.forward(items)  # logits: l_r + 1 rows per request
+        step_seconds = time.perf_counter() - start
+
+        draft_lens = torch.tensor(lens, dtype=torch.int64)
+        vocab = self.vocab_size
+        if indices and len(indices) != len(tokens):
+            raise ValueError("a batch mixes sparse and dense draft distributions")
+        if indices:
+            draft_probs = SparseDraftProbs(torch.cat(indices), torch.cat(probs))
+        else:
+            draft_probs = torch.cat(probs) if probs else torch.zeros(0, vocab)
+        batch = VerifyBatch(
+            draft_tokens=torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
+            draft_lens=draft_lens, draft_probs=draft_probs, target_logits=out.logits,
+            sampling=[r.sampling for r in requests])
+        result = verify(batch, draw_uniforms(draft_lens, [r.generator for r in requests]))
+
+        num_accepted = result.num_accepted.tolist()
+        features = []
+        for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
+            self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
+            hidden = out.hidden_of(i)[:1 + accepted] if out.hidden is not None else None
+            features.append(self._flat_features(hidden))
+        return VerifyOutput(num_accepted, result.output_tokens(batch), features,
+                            batch_tokens=len(requests) + sum(lens), step_seconds=step_seconds)
+
+    def release(self, request_id: Hashable) -> None:
+        if self.runner.has_request(request_id):
+            self.runner.free(request_id)

@@ -1,0 +1,149 @@
+"""The embedded engine end to end on a tiny random target and an untrained drafter.
+
+Greedy: every policy, 1 and several concurrent requests, gives exactly the tokens of plain greedy
+decoding with the same target (our runner, and transformers' generate). Sampling: the joint
+distribution of the first tokens equals the target's exact distribution.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dspark.cost_table import CostTable
+from dspark.engine import Engine, EngineConfig
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.drafter_config import DrafterConfig
+from dspark.models.runner import RunnerConfig, TargetRunner
+from dspark.sampling import SamplingParams
+from dspark.verifier import TargetVerifier
+
+VOCAB = 64
+LAYER_IDS = (0, 2, 3)
+GAMMA = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # peakier logits, so sampled tokens repeat and drafts get accepted
+        model.lm_head.weight.mul_(8.0)
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int = 8,
+                sparse_top_k: int | None = None, seed: int = 0) -> Engine:
+    runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS, kv_cache_tokens=8192))
+    drafter = None
+    if with_drafter:
+        torch.manual_seed(seed)
+        mc = runner.model_config
+        cfg = DrafterConfig(hidden_size=mc.hidden_size, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            vocab_size=VOCAB, target_layer_ids=list(LAYER_IDS),
+                            num_target_layers=mc.num_hidden_layers, block_size=GAMMA,
+                            mask_token_id=1, markov_rank=16)
+        drafter = DSparkDrafter(cfg).eval()
+        with torch.no_grad():  # an untrained but non-trivial sequential head
+            drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
+        drafter.set_target_weights(runner.model.embed_tokens.weight, runner.model.lm_head.weight)
+    # A smooth cost table: verifying more tokens costs a little more.
+    table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    return Engine(TargetVerifier(runner), drafter, table,
+                  EngineConfig(policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
+                               update_cost_table=False))
+
+
+PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [40], [8, 8, 8, 8, 8], [33, 21, 7]]
+
+
+@pytest.fixture(scope="module")
+def reference_greedy(tiny_target):
+    _, model = tiny_target
+    out = []
+    for p in PROMPTS:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                             attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             pad_token_id=0, eos_token_id=None)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("policy", ["none", "fixed:1", f"fixed:{GAMMA}", "threshold:0.3",
+                                    "sync_greedy", "async_topk"])
+@pytest.mark.parametrize("max_running", [1, 8])
+def test_greedy_is_token_identical_to_transformers(tiny_target, reference_greedy, policy,
+                                                   max_running):
+    engine = make_engine(tiny_target[0], policy, max_running=max_running)
+    done = engine.generate(PROMPTS, SamplingParams(temperature=0), max_tokens=24)
+    assert [r.output_ids for r in done] == reference_greedy
+    if policy != "none":
+        verified = sum(r.metrics.drafts_verified for r in done)
+        assert verified > 0 or policy in ("sync_greedy",)  # sync_greedy may verify nothing
+    assert not engine.running and not engine.waiting
+    assert engine.verifier.runner.cache.manager.num_free_blocks == \
+        engine.verifier.runner.cache.manager.num_blocks  # everything released
+
+
+def test_stop_tokens_and_max_tokens(tiny_target, reference_greedy):
+    engine = make_engine(tiny_target[0], f"fixed:{GAMMA}")
+    ref = reference_greedy[0]
+    stop = ref[5]
+    first_stop = ref.index(stop)
+    done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24,
+                           stop_token_ids=[stop])
+    assert done[0].output_ids == ref[:first_stop + 1] and done[0].finish_reason == "stop"
+    done = engine.generate([PROMPTS[1]], SamplingParams(temperature=0), max_tokens=3)
+    assert done[0].output_ids == reference_greedy[1][:3] and done[0].finish_reason == "length"
+
+
+def test_same_seed_same_output(tiny_target):
+    params = SamplingParams(temperature=1.0, seed=1234)
+    a = make_engine(tiny_target[0], "fixed:3").generate([PROMPTS[2]], params, max_tokens=20)
+    b = make_engine(tiny_target[0], "fixed:3").generate([PROMPTS[2]], params, max_tokens=20)
+    assert a[0].output_ids == b[0].output_ids
+
+
+def exact_first_tokens(model, prompt: list[int], n: int, temperature: float) -> torch.Tensor:
+    """P(y1..yn) of the target by enumeration over the vocabulary: [VOCAB] * n, float64."""
+    joint = torch.zeros([VOCAB] * n, dtype=torch.float64)
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, 0)
+        ctx = torch.tensor([prompt + [v] for v in range(VOCAB)])
+        p2 = torch.softmax(model(ctx).logits[:, -1].double() / temperature, 1)  # [V, V]
+    assert n == 2
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("policy", ["async_topk", "sync_greedy", f"fixed:{GAMMA}"])
+def test_sampled_joint_distribution_is_the_targets(tiny_target, policy):
+    folder, model = tiny_target
+    prompt = [3, 9, 27]
+    temperature = 1.0
+    expected = exact_first_tokens(model, prompt, 2, temperature).reshape(-1)
+    num = 3000
+    engine = make_engine(folder, policy, max_running=64, sparse_top_k=8)
+    outputs = {}
+    for i in range(num):
+        engine.add_request(prompt, SamplingParams(temperature=temperature), max_tokens=2,
+                           request_id=i)
+    for out in engine.stream():
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    codes = torch.tensor([o[0] * VOCAB + o[1] for o in outputs.values()])
+    observed = torch.bincount(codes, minlength=VOCAB * VOCAB).double()
+    # Pool cells with small expected counts so the chi-square approximation holds.
+    exp_counts = expected * num
+    big = exp_counts >= 5
+    obs = torch.cat([observed[big], observed[~big].sum(0, keepdim=True)])
+    exp = torch.cat([exp_counts[big], exp_counts[~big].sum(0, keepdim=True)])
+    exp = exp / exp.sum() * obs.sum()
+    assert float(chisquare(obs.numpy(), exp.numpy()).pvalue) > 1e-3

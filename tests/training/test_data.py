@@ -1,0 +1,103 @@
+"""Training-data generation (dspark.training.data) on a tiny random target."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from dspark.models.runner import RunnerConfig, TargetRunner, generate_greedy
+from dspark.sampling import SamplingParams
+from dspark.training.data import (
+    MATH_SUFFIX,
+    generate_answers,
+    read_records,
+    select_prompts,
+    split_of,
+    summarize,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return TargetRunner(folder, RunnerConfig(kv_cache_tokens=4096))
+
+
+def test_continuous_batching_answers_equal_plain_greedy(tiny_runner):
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    expected = generate_greedy(tiny_runner, prompts, max_new_tokens=12)
+    got = {key: (answer, eos) for key, answer, eos in generate_answers(
+        tiny_runner, [(f"p{i}", p) for i, p in enumerate(prompts)], max_new_tokens=12,
+        batch_size=2, sampling=SamplingParams(temperature=0), eos_token_ids=set())}
+    assert [got[f"p{i}"][0] for i in range(len(prompts))] == expected
+    assert tiny_runner.num_free_blocks == tiny_runner.cache.manager.num_blocks  # all freed
+
+
+def test_eos_ends_an_answer_and_is_kept(tiny_runner):
+    full = generate_greedy(tiny_runner, [[1, 2, 3]], max_new_tokens=12)[0]
+    eos = full[4]
+    ((_, answer, finished),) = list(generate_answers(
+        tiny_runner, [("a", [1, 2, 3])], max_new_tokens=12, batch_size=4,
+        sampling=SamplingParams(temperature=0), eos_token_ids={eos}))
+    assert answer == full[:full.index(eos) + 1] and finished
+
+
+def write_prompts(folder, source, domain, n):
+    with open(folder / f"{domain}_{source}.jsonl", "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"{source}-{i}", "domain": domain, "source": source,
+                                "prompt": f"question {i}\u2028line two"}) + "\n")
+
+
+def test_prompt_selection_is_seeded_styled_and_mixed(tmp_path):
+    write_prompts(tmp_path, "gsm8k", "math", 200)
+    write_prompts(tmp_path, "nq_open", "chat", 200)
+    write_prompts(tmp_path, "unknown_source", "chat", 50)  # no weight: never chosen
+    a = select_prompts(tmp_path, 60, seed=1)
+    assert [p.id for p in a] == [p.id for p in select_prompts(tmp_path, 60, seed=1)]
+    assert [p.id for p in a] != [p.id for p in select_prompts(tmp_path, 60, seed=2)]
+    sources = {p.source for p in a}
+    assert sources == {"gsm8k", "nq_open"}
+    # gsm8k weighs 0.20 and nq_open 0.12 in SOURCE_WEIGHTS.
+    assert sum(p.source == "gsm8k" for p in a) == round(60 * 0.20 / 0.32)
+    assert all(p.text.endswith(MATH_SUFFIX) for p in a if p.source == "gsm8k")
+    assert all("\u2028" in p.text for p in a)  # a line separator inside a prompt survives
+
+
+def test_split_is_a_deterministic_fraction():
+    ids = [f"x-{i}" for i in range(4000)]
+    held = [i for i in ids if split_of(i, 0.1) == "heldout"]
+    assert held == [i for i in ids if split_of(i, 0.1) == "heldout"]
+    assert 300 < len(held) < 500
+
+
+def test_records_round_trip_gzip_and_summary(tmp_path):
+    path = tmp_path / "d.jsonl.gz"
+    rows = [{"id": "a", "source": "s", "split": "train", "prompt_ids": [1, 2], "answer_ids": [3],
+             "finished": True},
+            {"id": "b", "source": "s", "split": "heldout", "prompt_ids": [1], "answer_ids": [4, 5],
+             "finished": False}]
+    for row in rows:  # appended member by member, as a resumed run does
+        with gzip.open(path, "at") as f:
+            f.write(json.dumps(row) + "\n")
+    assert list(read_records(path)) == rows
+    stats = summarize(path)
+    assert stats["answers"] == 2 and stats["answer_tokens"] == 3 and stats["prompt_tokens"] == 3
+    assert stats["by_split"]["heldout"] == {"answers": 1, "answer_tokens": 2}

@@ -1,0 +1,141 @@
+"""Build the target runner and a method's drafter from checkpoint folders (issue 4 parts 5-7).
+
+Glossary
+- method: one row of the evaluation table (DESIGN.md section 8): `dspark` (DSpark, Markov head),
+  `dspark-rnn`, `dflash` (no sequential head), `eagle` (Eagle-style autoregressive drafter) and
+  `mtp1` (the DSpark-markov drafter with exactly one draft token verified per round, the paper's
+  MTP-1-like production baseline).
+- checkpoints folder: one subfolder per trained drafter (`dspark-markov`, `dspark-rnn`, `dflash`,
+  `eagle`), each as written by `dspark train` (config.json + model.safetensors, optionally the
+  STS `calibration.json` written by `dspark calibrate`).
+- The drafter reads the hidden states of the target layers its config names
+  (`target_layer_ids`), so the runner that serves it must return exactly those layers; its token
+  embedding and LM head are the target's own tensors, shared, never copied.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.calibration import CALIBRATION_FILENAME, STSCalibration
+from dspark.models.drafter_config import DrafterConfig
+from dspark.models.drafter_io import AnyDrafter, load_drafter
+from dspark.models.runner import RunnerConfig, TargetRunner
+
+
+class VerifyLength(enum.Enum):
+    """How many drafts of each round the target verifies during evaluation."""
+
+    FULL_BLOCK = "full"
+    """All gamma drafts (`fixed:gamma`): raw draft quality, no scheduler (the paper's Table 1)."""
+    ONE = "one"
+    """Exactly one draft (`fixed:1`): the MTP-1-like baseline."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One evaluated method: which checkpoint subfolder it loads and how it is verified."""
+
+    name: str
+    """Key in `--methods` and in the JSON output."""
+    folder: str
+    """Subfolder of the checkpoints folder holding its drafter."""
+    verify: VerifyLength
+    label: str
+    """Row label of the markdown table."""
+
+
+METHODS: dict[str, MethodSpec] = {
+    "dspark": MethodSpec("dspark", "dspark-markov", VerifyLength.FULL_BLOCK, "DSpark (markov)"),
+    "dspark-rnn": MethodSpec("dspark-rnn", "dspark-rnn", VerifyLength.FULL_BLOCK, "DSpark (rnn)"),
+    "dflash": MethodSpec("dflash", "dflash", VerifyLength.FULL_BLOCK, "DFlash"),
+    "eagle": MethodSpec("eagle", "eagle", VerifyLength.FULL_BLOCK, "Eagle-style"),
+    "mtp1": MethodSpec("mtp1", "dspark-markov", VerifyLength.ONE, "MTP-1-like"),
+}
+ALIASES = {"dspark-markov": "dspark", "markov": "dspark", "rnn": "dspark-rnn", "mtp-1": "mtp1"}
+
+
+def parse_methods(text: str) -> list[str]:
+    """Comma-separated method names (aliases allowed) -> canonical names, in the given order."""
+    names: list[str] = []
+    for raw in text.split(","):
+        raw = raw.strip().lower()
+        if not raw:
+            continue
+        name = ALIASES.get(raw, raw)
+        if name not in METHODS:
+            raise ValueError(f"unknown method {raw!r}; known: {', '.join(METHODS)}")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("no methods given")
+    return names
+
+
+def checkpoint_folder(checkpoints: Path, method: str) -> Path:
+    return Path(checkpoints) / METHODS[method].folder
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """A drafter folder: config.json and at least one safetensors file."""
+    folder = Path(folder)
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when available, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_target(model_dir: str | Path, hidden_layer_ids: tuple[int, ...], *,
+                kv_cache_tokens: int, device: str = "cpu", dtype: str | None = None) -> TargetRunner:
+    """The target runner returning the hidden states of `hidden_layer_ids` for every token."""
+    return TargetRunner(model_dir, RunnerConfig(device=device, dtype=dtype,
+                                                hidden_layer_ids=tuple(hidden_layer_ids),
+                                                kv_cache_tokens=kv_cache_tokens))
+
+
+def load_calibration(folder: str | Path) -> STSCalibration | None:
+    """The STS calibration stored beside a drafter checkpoint, or None if it has none."""
+    path = Path(folder) / CALIBRATION_FILENAME
+    return STSCalibration.load(path) if path.is_file() else None
+
+
+def has_confidence_head(drafter: AnyDrafter) -> bool:
+    """True when the drafter's confidences come from a trained head (DSpark, DFlash with a head);
+    the Eagle-style drafter's max-probability heuristic does not count."""
+    return getattr(drafter, "confidence_head", None) is not None
+
+
+def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
+                        apply_calibration: bool = False) -> AnyDrafter:
+    """Load the drafter in `folder` onto the runner's device, sharing the runner's embedding and LM
+    head. With `apply_calibration`, the folder's STS temperatures (if any) are applied to the
+    confidences it returns; evaluation and calibration keep them raw (the default).
+    """
+    folder = Path(folder)
+    config = DrafterConfig.load(folder)
+    mc = runner.model_config
+    layer_ids = tuple(int(i) for i in config.target_layer_ids)
+    if tuple(runner.config.hidden_layer_ids) != layer_ids:
+        raise ValueError(f"{folder}: the drafter reads target layers {list(layer_ids)} but the runner "
+                         f"returns {list(runner.config.hidden_layer_ids)}")
+    if config.vocab_size != mc.vocab_size or config.hidden_size != mc.hidden_size:
+        raise ValueError(f"{folder}: drafter built for vocab {config.vocab_size} / hidden "
+                         f"{config.hidden_size}, target has {mc.vocab_size} / {mc.hidden_size}")
+    drafter = load_drafter(folder, runner.model.embed_tokens.weight, runner.model.lm_head.weight,
+                           device=runner.device, dtype=runner.dtype)
+    if apply_calibration:
+        calibration = load_calibration(folder)
+        if calibration is not None and has_confidence_head(drafter):
+            if calibration.gamma != drafter.gamma:
+                raise ValueError(f"{folder}: {CALIBRATION_FILENAME} has gamma={calibration.gamma}, "
+                                 f"the drafter {drafter.gamma}")
+            drafter.set_confidence_temperatures(calibration.temperatures)
+    return drafter

@@ -1,0 +1,226 @@
+"""`dspark eval` and `dspark calibrate` end to end on a tiny random target (with a character-level
+tokenizer and chat template) and tiny drafters saved with the project's checkpoint writer."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import string
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.calibration import CALIBRATION_FILENAME, STSCalibration
+from dspark.evaluation import calibrate_cli, eval_cli
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.drafter_config import DrafterConfig, SequentialHead
+from dspark.models.drafter_io import save_drafter
+from dspark.models.eagle import EagleDrafter, eagle_config
+
+VOCAB = 64
+GAMMA = 4
+LAYER_IDS = [0, 2, 3]
+EAGLE_LAYER_IDS = [1, 2]  # a different layer set: the eval reloads the target for it
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def save_char_tokenizer(folder) -> None:
+    """A character-level tokenizer (45 ids < VOCAB) with a ChatML template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = list(string.ascii_lowercase + string.digits + " .,?!\n")
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.add_special_tokens(specials)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(target folder, checkpoints folder with dspark-markov, dflash, eagle; no dspark-rnn)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("eval_cli")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         eos_token_id=2, bos_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    target = root / "target"
+    model.save_pretrained(target)
+    save_char_tokenizer(target)
+    target_config = json.loads((target / "config.json").read_text())
+
+    ckpts = root / "checkpoints"
+    for sub, head in (("dspark-markov", SequentialHead.MARKOV), ("dflash", SequentialHead.NONE)):
+        cfg = DrafterConfig.from_target_config(
+            target_config, num_hidden_layers=1, block_size=GAMMA, mask_token_id=0,
+            target_layer_ids=LAYER_IDS, markov_head_type=head,
+            markov_rank=16 if head == SequentialHead.MARKOV else 0, enable_confidence_head=True)
+        drafter = DSparkDrafter(cfg)
+        with torch.no_grad():
+            if drafter.markov_head is not None:
+                drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
+            drafter.confidence_head.proj.weight.normal_(0, 1.0)
+        save_drafter(drafter, ckpts / sub)
+    save_drafter(EagleDrafter(eagle_config(target_config, target_layer_ids=EAGLE_LAYER_IDS,
+                                           block_size=GAMMA)), ckpts / "eagle")
+    return target, ckpts
+
+
+def call(module, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    module.configure(parser)
+    return module.run(parser.parse_args(argv))
+
+
+def write_eval_file(path, n: int = 4) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps({"turns": [f"what is {i} plus {i + 1}?", "and then?"]}) + "\n")
+
+
+def test_eval_end_to_end_json(setup, tmp_path, capsys):
+    target, ckpts = setup
+    dataset = tmp_path / "tiny.jsonl"
+    write_eval_file(dataset)
+    rc = call(eval_cli, ["--dataset", str(dataset), "--limit", "3", "--max-tokens", "14",
+                         "--temperature", "1.0", "--json", "--checkpoints", str(ckpts),
+                         "--model-dir", str(target), "--device", "cpu",
+                         "--plots", str(tmp_path / "plots")])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    lines = captured.out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert set(result) == {"dspark", "dflash", "eagle", "mtp1"}  # dspark-rnn: no checkpoint
+    assert "dspark-rnn: missing" in captured.err and str(ckpts / "dspark-rnn") in captured.err
+    table = "\n".join(lines[:-1])
+    assert "| DSpark (markov) |" in table and "| DSpark (rnn) | missing |" in table
+    for name, r in result.items():
+        acc = r["accept_per_position"]
+        assert len(acc) == (1 if name == "mtp1" else GAMMA)
+        assert r["rounds"] > 0 and 1.0 <= r["tau"] <= len(acc) + 1
+        # tau over full rounds = 1 + sum_k prod_{i<=k} conditional acceptance on the same rounds
+        survival = np.cumprod([0.0 if a is None else a for a in acc])
+        assert r["tau"] == pytest.approx(1 + survival.sum())
+    for name in ("dspark", "dflash"):  # confidence heads: ECE before/after and AUC per position
+        r = result[name]
+        assert len(r["ece_before"]) == GAMMA and len(r["auc"]) == GAMMA
+        assert r["sts_fitted"] is False and r["ece_after"] == pytest.approx(r["ece_before"])
+    assert "ece_before" not in result["eagle"] and "ece_before" not in result["mtp1"]
+    for png in ("acceptance.png", "reliability_dspark.png", "reliability_dflash.png"):
+        assert (tmp_path / "plots" / png).stat().st_size > 1000
+
+
+def test_eval_is_reproducible(setup, tmp_path, capsys):
+    """Same seed, same figures (greedy and sampled): per-request seeded random streams."""
+    target, ckpts = setup
+    dataset = tmp_path / "tiny.jsonl"
+    write_eval_file(dataset, 2)
+    for temperature in ("0", "1.0"):
+        runs = []
+        for _ in range(2):
+            rc = call(eval_cli, ["--dataset", str(dataset), "--max-tokens", "10", "--json",
+                                 "--temperature", temperature, "--checkpoints", str(ckpts),
+                                 "--model-dir", str(target), "--methods", "mtp1,dspark",
+                                 "--device", "cpu"])
+            assert rc == 0
+            runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        assert runs[0] == runs[1] and list(runs[0]) == ["mtp1", "dspark"]
+
+
+def test_eval_requested_missing_checkpoint_is_an_error(setup, tmp_path, capsys):
+    target, ckpts = setup
+    dataset = tmp_path / "tiny.jsonl"
+    write_eval_file(dataset, 1)
+    rc = call(eval_cli, ["--dataset", str(dataset), "--methods", "dspark,dspark-rnn",
+                         "--checkpoints", str(ckpts), "--model-dir", str(target), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert str(ckpts / "dspark-rnn") in captured.err
+    assert captured.out == ""  # nothing evaluated, no JSON line
+    rc = call(eval_cli, ["--dataset", str(dataset), "--checkpoints", str(tmp_path / "none"),
+                         "--model-dir", str(target)])
+    assert rc == 2 and "no drafter checkpoints" in capsys.readouterr().err
+    rc = call(eval_cli, ["--dataset", str(dataset), "--methods", "medusa",
+                         "--checkpoints", str(ckpts), "--model-dir", str(target)])
+    assert rc == 2 and "unknown method" in capsys.readouterr().err
+
+
+def write_data_file(path, rng) -> None:
+    with gzip.open(path, "wt") as f:
+        for i in range(10):
+            split = "heldout" if i % 2 else "train"
+            f.write(json.dumps({"id": str(i), "split": split,
+                                "prompt_ids": rng.integers(3, 45, size=5 + i).tolist(),
+                                "answer_ids": rng.integers(3, 45, size=8).tolist()}) + "\n")
+
+
+def test_heldout_prompts_only(tmp_path):
+    path = tmp_path / "data.jsonl.gz"
+    write_data_file(path, np.random.default_rng(0))
+    prompts = calibrate_cli.heldout_prompts(path)
+    assert [len(p) for p in prompts] == [6, 8, 10, 12, 14]  # odd records, in file order
+    assert len(calibrate_cli.heldout_prompts(path, limit=2)) == 2
+
+
+def test_calibrate_writes_loadable_calibration_that_eval_applies(setup, tmp_path, capsys):
+    target, ckpts = setup
+    own = tmp_path / "checkpoints"
+    shutil.copytree(ckpts / "dspark-markov", own / "dspark-markov")  # keep the shared one clean
+    data = tmp_path / "data.jsonl.gz"
+    write_data_file(data, np.random.default_rng(1))
+    rc = call(calibrate_cli, ["--checkpoint", str(own / "dspark-markov"), "--data", str(data),
+                              "--max-tokens", "24", "--temperature", "1.0", "--model-dir",
+                              str(target), "--device", "cpu", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    sts = STSCalibration.load(own / "dspark-markov" / CALIBRATION_FILENAME)
+    assert sts.gamma == GAMMA
+    assert (own / "dspark-markov" / "reliability.png").stat().st_size > 1000
+    report = json.loads(captured.out.strip().splitlines()[-1])
+    assert report["temperatures"] == sts.temperatures
+    assert "mean ECE" in captured.out
+
+    dataset = tmp_path / "tiny.jsonl"
+    write_eval_file(dataset, 2)
+    rc = call(eval_cli, ["--dataset", str(dataset), "--max-tokens", "12", "--json",
+                         "--checkpoints", str(own), "--model-dir", str(target),
+                         "--methods", "dspark", "--device", "cpu"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dspark"]
+    assert rc == 0 and r["sts_fitted"] is True and r["sts_temperatures"] == sts.temperatures
+
+
+def test_calibrate_errors(setup, tmp_path, capsys):
+    target, ckpts = setup
+    data = tmp_path / "data.jsonl.gz"
+    write_data_file(data, np.random.default_rng(2))
+    assert call(calibrate_cli, ["--checkpoint", str(tmp_path / "nothing"), "--data", str(data),
+                                "--model-dir", str(target)]) == 2
+    assert "no drafter checkpoint" in capsys.readouterr().err
+    own = tmp_path / "eagle"
+    shutil.copytree(ckpts / "eagle", own)
+    assert call(calibrate_cli, ["--checkpoint", str(own), "--data", str(data), "--limit", "1",
+                                "--max-tokens", "4", "--model-dir", str(target),
+                                "--device", "cpu"]) == 2
+    assert "no confidence head" in capsys.readouterr().err
+    assert not (own / CALIBRATION_FILENAME).exists()

@@ -17,7 +17,16 @@ import sys
 
 # subcommand name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "fetch-model": ("dspark.fetch", "prepare the demo target model offline and print its folder"),
+    "generate": ("dspark.generate", "stream a generation from the embedded engine"),
+    "bench": ("dspark.bench_cli",
+              "end-to-end speed tables: tokens/s per method vs target-only and transformers peers"),
     "demo": ("dspark.demo", "show lossless verification on a toy target and drafter"),
+    "data": ("dspark.training.data", "generate the drafter's training data: the target answers prompts"),
+    "eval": ("dspark.evaluation.eval_cli",
+             "acceptance per method: tau, per-position conditional acceptance, ECE/AUC"),
+    "calibrate": ("dspark.evaluation.calibrate_cli",
+                  "fit STS on the held-out split; write calibration.json beside the drafter"),
     "train": ("dspark.training.train_cli",
               "train a drafter (DSpark, DFlash or Eagle-style) with the target as an online teacher"),
 }

@@ -18,6 +18,7 @@ import sys
 # subcommand name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "fetch-model": ("dspark.fetch", "prepare the demo target model offline and print its folder"),
+    "profile": ("dspark.profiling", "measure the target's steps per second SPS(B); write the cost table and plot"),
     "generate": ("dspark.generate", "stream a generation from the embedded engine"),
     "bench": ("dspark.bench_cli",
               "end-to-end speed tables: tokens/s per method vs target-only and transformers peers"),

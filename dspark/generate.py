@@ -31,29 +31,16 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def startup_cost_table(runner, sizes=STARTUP_PROFILE_SIZES, context_len: int = 64,
-                       repeats: int = 2) -> CostTable:
-    """Measure SPS(B) quickly on this machine: one request of `context_len` tokens, then B new
-    tokens at once (truncated back after each forward), median of `repeats`."""
-    from dspark.models.runner import ForwardItem
+def startup_cost_table(runner, sizes=STARTUP_PROFILE_SIZES, context_len: int = 64) -> CostTable:
+    """Measure SPS(B) quickly on this machine (a short `dspark profile`): B tokens over up to 4
+    requests of `context_len` cached tokens, median of 2 forwards after 1 warm-up."""
+    from dspark.profiling import measure_step_seconds
 
-    rid = ("startup-profile",)
-    runner.add_request(rid)
-    try:
-        runner.forward([ForwardItem(rid, [1] * context_len)])
-        seconds = {}
-        for b in sizes:
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
-                start = time.perf_counter()
-                runner.forward([ForwardItem(rid, [1] * b, logits_from=0)])
-                times.append(time.perf_counter() - start)
-                runner.truncate(rid, context_len)
-            seconds[b] = sorted(times[1:])[len(times[1:]) // 2]
-    finally:
-        runner.free(rid)
-    return CostTable.from_step_seconds(seconds, meta={"source": "dspark generate start-up profile",
-                                                      "context_len": context_len})
+    seconds = measure_step_seconds(runner, list(sizes), context_len=context_len, requests=4,
+                                   repeats=2, warmup=1)
+    return CostTable.from_step_seconds(dict(zip(sizes, seconds)),
+                                       meta={"source": "dspark generate start-up profile",
+                                             "context_len": context_len})
 
 
 def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,

@@ -24,3 +24,15 @@ def eval_dir() -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"eval prompts not found at {path}")
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tests run torch on one thread: the tiny models gain nothing from two, and on a shared
+    machine two OpenMP threads per process can spin against each other and run many times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

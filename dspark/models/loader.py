@@ -28,6 +28,8 @@ _FUSED: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Layer projections that load_model stores as W^T on CPU float32 (transformer.Linear, transposed=True).
+_TRANSPOSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -61,8 +63,15 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def convert_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> our module names, fusing q|k|v and gate|up."""
+def convert_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig,
+                       transposed_projections: bool = False) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> our module names, fusing q|k|v and gate|up (and, with
+    `transposed_projections`, storing the layers' projection weights as W^T)."""
+
+    def layout(module: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        transpose = transposed_projections and kind == "weight" and module in _TRANSPOSED
+        return tensor.t().contiguous() if transpose else tensor
+
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
     ours: dict[str, torch.Tensor] = {}
     fused_parts: dict[str, str] = {part: fused for fused, parts in _FUSED.items() for part in parts}
@@ -78,12 +87,13 @@ def convert_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict
         if module in fused_parts:
             pending.setdefault((layer, fused_parts[module], kind), {})[module] = tensor
         else:
-            ours[f"layers.{layer}.{module}.{kind}"] = tensor
+            ours[f"layers.{layer}.{module}.{kind}"] = layout(module, kind, tensor)
     for (layer, fused, kind), parts in pending.items():
         missing = [p for p in _FUSED[fused] if p not in parts]
         if missing:
             raise ValueError(f"layer {layer}: {kind} of {missing} missing from checkpoint")
-        ours[f"layers.{layer}.{fused}.{kind}"] = torch.cat([parts[p] for p in _FUSED[fused]], dim=0)
+        fused_tensor = torch.cat([parts[p] for p in _FUSED[fused]], dim=0)
+        ours[f"layers.{layer}.{fused}.{kind}"] = layout(fused, kind, fused_tensor)
     if config.tie_word_embeddings:
         ours.pop("lm_head.weight", None)  # tied: the embedding is the LM head
         ours["lm_head.weight"] = ours["embed_tokens.weight"]
@@ -98,10 +108,12 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32,
     model_dir = Path(model_dir)
     dtype, device = resolve_dtype(dtype), torch.device(device)
     config = ModelConfig.from_pretrained(model_dir)
+    # W^T projections only where they are faster: float32 on CPU (transformer.Linear).
+    transposed = device.type == "cpu" and dtype == torch.float32
     state = {name: t.to(device=device, dtype=dtype)
-             for name, t in convert_state_dict(read_checkpoint(model_dir), config).items()}
+             for name, t in convert_state_dict(read_checkpoint(model_dir), config, transposed).items()}
     with torch.device("meta"):  # no allocation or random init: the checkpoint fills every weight
-        model = Transformer(config)
+        model = Transformer(config, transposed_projections=transposed)
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(f"checkpoint does not fit {config.family.value}: missing {result.missing_keys}, "

@@ -14,6 +14,21 @@ half-rotation RoPE, SiLU-gated MLP) so the two agree to float rounding. Projecti
 Grouped-query attention without copying K/V: the `num_queries_per_kv` query heads that share a
 KV head are stacked along the sequence axis, so one SDPA call per KV head group sees
 q [num_kv_heads, group * q_len, head_dim] against k, v [num_kv_heads, context_len, head_dim].
+
+Attention implementation (AttentionImpl.PER_REQUEST is the default). Measured on this 2-core CPU
+(SmolLM2-135M fp32, 1 thread, context 300 per request, whole forward, median of 5):
+
+    requests x new tokens   B    per_request   block_diagonal
+    1 x 1                   1      121 ms        132 ms
+    1 x 8                   8      305 ms        298 ms
+    4 x 4                  16      432 ms        475 ms
+    16 x 1                 16      487 ms        905 ms
+    16 x 4                 64     1022 ms       1932 ms
+
+One SDPA call per request reads that request's context where it lies in the paged cache (no copy
+when its blocks are consecutive, see kv_cache.py), and its work grows with sum_r q_len_r * ctx_r.
+One block-diagonal call saves the per-call overhead (~0.1 ms) but multiplies every query by every
+request's context and needs all contexts gathered into one tensor: it only ties at one request.
 """
 
 from __future__ import annotations
@@ -33,7 +48,7 @@ class AttentionImpl(enum.Enum):
     """How attention over the flattened batch is computed (both give the same numbers)."""
 
     PER_REQUEST = "per_request"
-    """One SDPA call per request over its gathered context (work ~ sum_r q_len_r * ctx_len_r)."""
+    """One SDPA call per request over its own context (work ~ sum_r q_len_r * ctx_len_r)."""
     BLOCK_DIAGONAL = "block_diagonal"
     """One SDPA call over all contexts with a block-diagonal causal mask
     (work ~ num_tokens * sum_r ctx_len_r, but one call per layer)."""
@@ -102,23 +117,43 @@ class FlatBatch:
             self.block_mask = mask.repeat(group, 1)  # [group * num_tokens, num_rows]
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose product over many rows can run in float32 although the weights are bf16/fp16.
+class Linear(nn.Module):
+    """y = x W^T + b, tuned for CPU matrix libraries; x [num_rows, in_features] (the untransposed
+    LM head also takes leading batch dimensions).
 
-    CPUs without native bf16 matrix units (AVX2 only) multiply bf16 at a fixed ~5 GFLOP/s, about
-    4x slower than float32 once more than a few rows share the weights; a single row is bound by
-    memory traffic, where bf16's half-size weights win. So at `upcast_min_rows` rows or more
-    (None: never) inputs and weights are widened to float32, multiplied, and the result rounded
-    back: the same fp32-accumulated arithmetic as a bf16 GEMM, in another summation order.
+    - `transposed=True` stores W^T ([in_features, out_features], contiguous) and multiplies
+      x @ W^T directly: for float32 on CPU, MKL's sgemm runs this layout faster than nn.Linear's
+      [out, in] (a whole SmolLM2 step: 1.1-1.4x at one row, ~1.05x at 8-64 rows), but the bf16
+      kernels run it ~5x slower, so only float32 CPU models use it (the loader transposes the
+      checkpoint). The LM head keeps [out, in]: it is tied to the embedding matrix.
+    - bf16/fp16 weights on CPUs without bf16 matrix units (AVX2 only) multiply at a fixed ~5
+      GFLOP/s, about 4x slower than float32 once more than a few rows share the weights, while a
+      single row is bound by memory traffic, where half-size weights win. So at `upcast_min_rows`
+      rows or more (None: never) inputs and weights are widened to float32, multiplied, and the
+      result rounded back: a bf16 GEMM's fp32-accumulated arithmetic in another summation order.
     """
 
     upcast_min_rows: int | None = None
 
+    def __init__(self, in_features: int, out_features: int, bias: bool, transposed: bool) -> None:
+        super().__init__()
+        self.transposed = transposed
+        shape = (in_features, out_features) if transposed else (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.upcast_min_rows is not None and x.shape[0] >= self.upcast_min_rows:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        w, b = self.weight, self.bias
+        rows = x.numel() // x.shape[-1]
+        if self.upcast_min_rows is not None and rows >= self.upcast_min_rows:
+            w, b = w.float(), (None if b is None else b.float())
+            return self._product(x.float(), w, b).to(x.dtype)
+        return self._product(x, w, b)
+
+    def _product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, w, b)
+        return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
 
 
 class RMSNorm(nn.Module):
@@ -156,7 +191,7 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, transposed: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -164,8 +199,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, config.qkv_bias, transposed)
+        self.o_proj = Linear(q_size, config.hidden_size, config.o_bias, transposed)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -219,11 +254,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, transposed: bool) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, transposed)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -231,12 +266,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, transposed: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, transposed)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, transposed)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: FlatBatch,
                 impl: AttentionImpl, cache: PagedKVCache, layer: int) -> torch.Tensor:
@@ -245,15 +280,19 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only causal LM. `embed_tokens`, `norm` and `lm_head` are public: the drafter shares them."""
+    """Decoder-only causal LM. `embed_tokens`, `norm` and `lm_head` are public: the drafter shares them.
 
-    def __init__(self, config: ModelConfig) -> None:
+    `transposed_projections`: the layers' projections store W^T (see `Linear`; for float32 on CPU).
+    """
+
+    def __init__(self, config: ModelConfig, transposed_projections: bool = False) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, transposed_projections)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, transposed=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)

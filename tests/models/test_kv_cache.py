@@ -132,3 +132,35 @@ def test_block_ids_cover_the_tokens():
     assert m.block_ids("a", 0) == []
     with pytest.raises(IndexError):
         m.block_ids("a", 13)
+
+
+def test_interleaved_growth_keeps_requests_contiguous():
+    """Placement: each request grows into the block after its last, the next request starts in the
+    middle of the largest free run, so decode-style interleaved growth keeps contexts in place."""
+    m = BlockManager(num_blocks=64, block_size=4)
+    for r in "abcd":
+        m.add_request(r)
+        m.grow({r: 6})
+    for _ in range(20):  # 20 decode steps of 1 token each, interleaved
+        m.grow({r: 1 for r in "abcd"})
+    for r in "abcd":
+        table = m.block_table(r)
+        assert table == list(range(table[0], table[0] + 7))  # 26 tokens -> 7 consecutive blocks
+        assert m.contiguous_start(r, 26) == table[0] * 4
+        assert m.slots(r, 0, 26).tolist() == list(range(table[0] * 4, table[0] * 4 + 26))
+    assert m.num_free_blocks == 64 - 4 * 7
+
+
+def test_contiguous_start_none_when_scattered():
+    m = BlockManager(num_blocks=4, block_size=2)
+    for r in "wxyz":
+        m.add_request(r)
+        m.grow({r: 2})  # one block each: the cache is full
+    owner = {m.block_table(r)[0]: r for r in "wxyz"}
+    m.free(owner[0])
+    m.free(owner[2])  # free blocks 0 and 2: not adjacent
+    m.add_request("a")
+    m.grow({"a": 4})
+    assert m.block_table("a") == [0, 2] or m.block_table("a") == [2, 0]
+    assert m.contiguous_start("a", 4) is None
+    assert m.contiguous_start("a", 2) == m.block_table("a")[0] * 2  # one block is always contiguous

@@ -43,6 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="reduced draft vocabulary size (most frequent answer tokens)")
     parser.add_argument("--mask-token-id", type=int, default=None)
     parser.add_argument("--no-confidence-head", action="store_true")
+    parser.add_argument("--markov-init", choices=["zero", "bigram"], default=d["markov_init"].default,
+                        help="Markov head start: zero (pure parallel drafter) or the answers' "
+                             "bigram statistics")
+    parser.add_argument("--init-from-target-layers", type=_int_list, default=None,
+                        help="comma-separated target layer ids: warm-start drafter layer i from "
+                             "the i-th (default: random init)")
     parser.add_argument("--steps", type=int, default=d["steps"].default)
     parser.add_argument("--batch", type=int, default=d["batch_size"].default, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=d["num_anchors"].default,
@@ -82,7 +88,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_context_layers=args.num_target_layers, intermediate_size=args.intermediate_size,
         gamma=args.gamma, markov_rank=args.markov_rank,
         draft_vocab_size=args.draft_vocab, mask_token_id=args.mask_token_id,
-        enable_confidence_head=not args.no_confidence_head, steps=args.steps,
+        enable_confidence_head=not args.no_confidence_head,
+        init_layers_from=args.init_from_target_layers, markov_init=args.markov_init,
+        steps=args.steps,
         batch_size=args.batch, num_anchors=args.anchors, max_seq_len=args.max_seq_len, lr=args.lr,
         min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, ce_weight=args.ce_weight, tv_weight=args.tv_weight,

@@ -48,6 +48,7 @@ from dspark.models.drafter_config import DrafterConfig, SequentialHead, spread_l
 from dspark.models.drafter_io import save_drafter
 from dspark.models.eagle import EagleDrafter, eagle_config
 from dspark.training.losses import LossConfig, LossTerms, drafter_losses
+from dspark.training.markov_init import init_markov_head_from_bigrams
 
 
 class Method(str, Enum):
@@ -82,6 +83,12 @@ class TrainConfig:
     mask_token_id: int | None = None
     """None = the highest token id that never occurs in the data."""
     enable_confidence_head: bool = True
+    init_layers_from: list[int] | None = None
+    """Warm start: drafter layer i starts as a copy of target layer init_layers_from[i] (attention,
+    MLP, norms; q/k norms stay 1) and the final norm as the target's. None = random init."""
+    markov_init: str = "zero"
+    """Markov head start: "zero" (W2 = 0: the pure parallel drafter) or "bigram" (rank-r factors of
+    the training answers' bigram PMI, see dspark.training.markov_init)."""
     steps: int = 1000
     batch_size: int = 4
     num_anchors: int = 16
@@ -140,6 +147,17 @@ class TrainConfig:
         self.betas = (float(self.betas[0]), float(self.betas[1]))
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.markov_init not in ("zero", "bigram"):
+            raise ValueError(f"markov_init must be zero or bigram, got {self.markov_init!r}")
+        if self.markov_init == "bigram" and self.method != Method.MARKOV:
+            raise ValueError("markov_init=bigram needs the markov head")
+        if self.init_layers_from is not None:
+            self.init_layers_from = [int(i) for i in self.init_layers_from]
+            if self.method == Method.EAGLE:
+                raise ValueError("init_layers_from is for the DSpark/DFlash drafter, not eagle")
+            if len(self.init_layers_from) != self.num_layers:
+                raise ValueError(f"init_layers_from names {len(self.init_layers_from)} target layers "
+                                 f"for a drafter of {self.num_layers} layers")
 
     @property
     def loss_config(self) -> LossConfig:
@@ -344,6 +362,40 @@ def build_drafter(cfg: TrainConfig, target_config: dict, mask_token_id: int,
     return DSparkDrafter(dcfg)
 
 
+_LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+@torch.no_grad()
+def init_layers_from_target(drafter: nn.Module, target: nn.Module, target_layers: list[int]) -> None:
+    """Copy target decoder layers into the drafter's layers (same names and shapes, DeepSpec /
+    transformers layout) and the target's final norm into the drafter's `norm`."""
+    t_layers = target.model.layers
+    for i, j in enumerate(target_layers):
+        if not 0 <= j < len(t_layers):
+            raise ValueError(f"target has no layer {j} (it has {len(t_layers)})")
+        src, dst = dict(t_layers[j].named_parameters()), dict(drafter.layers[i].named_parameters())
+        for name in _LAYER_TENSORS:
+            if name not in dst:
+                continue
+            if name not in src or src[name].shape != dst[name].shape:
+                raise ValueError(f"cannot initialise drafter layer {i} from target layer {j}: "
+                                 f"{name} differs (intermediate size?)")
+            dst[name].copy_(src[name].to(dst[name].dtype))
+    drafter.norm.weight.copy_(target.model.norm.weight.to(drafter.norm.weight.dtype))
+    # Context: H_ctx starts as the deepest fused layer's output, normalised the way the first
+    # copied layer normalises its input, so that layer's context keys/values start as the
+    # target's own (exactly so when that layer follows the deepest fused one).
+    d = drafter.fc.out_features
+    deepest = max(range(len(drafter.config.target_layer_ids)),
+                  key=lambda i: drafter.config.target_layer_ids[i])
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, deepest * d:(deepest + 1) * d].copy_(torch.eye(d))
+    first = t_layers[target_layers[0]].input_layernorm.weight
+    drafter.hidden_norm.weight.copy_(first.to(drafter.hidden_norm.weight.dtype))
+
+
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warm-up to 1, then cosine decay to min_ratio at `total` steps."""
     if warmup > 0 and step < warmup:
@@ -376,8 +428,18 @@ class Trainer:
         self.draft_ids = (select_draft_vocab(self.examples, vocab_size, cfg.draft_vocab_size)
                           if cfg.draft_vocab_size is not None else None)
         self.model = build_drafter(cfg, target_config, mask_token, layer_ids).to(self.device)
+        if cfg.init_layers_from is not None:
+            init_layers_from_target(self.model, target, cfg.init_layers_from)
         self.model.set_target_weights(self.teacher.embed_weight, self.teacher.lm_head_weight,
                                       self.draft_ids)
+        if cfg.markov_init == "bigram":
+            t2d = (self.model.target_to_draft if self.draft_ids is not None
+                   else torch.arange(vocab_size))
+            init_markov_head_from_bigrams(
+                self.model.markov_head, [ex.prompt_ids[-1:] + ex.answer_ids for ex in self.examples],
+                t2d)
+            with torch.no_grad():  # U_k = 0 at first: the drafter starts as the bigram model
+                self.model.norm.weight.zero_()
         decay, no_decay = [], []
         for p in self.model.parameters():
             (decay if p.dim() >= 2 else no_decay).append(p)

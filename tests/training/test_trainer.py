@@ -225,3 +225,28 @@ def test_cli(target_dir, data_path, tmp_path, capsys):
     assert cfg["target_layer_ids"] == [1, 3] and cfg["block_size"] == 3 and cfg["markov_rank"] == 0
     assert cfg["intermediate_size"] == 24
     assert Method(json.loads((tmp_path / "train_config.json").read_text())["method"]) == Method.NONE
+
+
+def test_warm_start_from_target_layers_and_bigram_markov_head(target_dir, data_path, tmp_path):
+    """init_layers_from copies target layers (and points fc at the deepest fused layer);
+    markov_init=bigram makes the untrained drafter the data's bigram model (U_k = 0)."""
+    trainer = Trainer(config(target_dir, data_path, tmp_path, num_layers=2, init_layers_from=[4, 5],
+                             markov_init="bigram", markov_rank=8))
+    target_layers = trainer.teacher.model.model.layers
+    drafter = trainer.model
+    for i, j in enumerate([4, 5]):
+        assert torch.equal(drafter.layers[i].self_attn.q_proj.weight, target_layers[j].self_attn.q_proj.weight)
+        assert torch.equal(drafter.layers[i].mlp.down_proj.weight, target_layers[j].mlp.down_proj.weight)
+    deepest = trainer.teacher.layer_ids.index(max(trainer.teacher.layer_ids))
+    d = drafter.fc.out_features
+    assert torch.equal(drafter.fc.weight[:, deepest * d:(deepest + 1) * d], torch.eye(d))
+    assert float(drafter.fc.weight.detach().abs().sum()) == pytest.approx(d)
+    assert float(drafter.norm.weight.detach().abs().sum()) == 0.0
+    # The pattern 10 -> 11 -> ... -> 15 -> 10 is deterministic: the bigram bias predicts it.
+    head = drafter.markov_head
+    bias = head.markov_w1.weight[torch.tensor([10, 13, 15])] @ head.markov_w2.weight.T
+    assert bias.argmax(-1).tolist() == [11, 14, 10]
+    with pytest.raises(ValueError, match="init_layers_from"):
+        config(target_dir, data_path, tmp_path, num_layers=2, init_layers_from=[4])
+    with pytest.raises(ValueError, match="markov head"):
+        config(target_dir, data_path, tmp_path, method="none", markov_init="bigram")

@@ -362,6 +362,19 @@ class AsyncTopKAdmission:
         )
         return lengths
 
+    def planned_capacity(self, step_index: int) -> int | None:
+        """K already decided for step ``step_index`` (None: no history, the prior will decide)."""
+        return self._capacity_for_step.get(step_index)
+
+    def skip(self, step_index: int) -> None:
+        """Step ``step_index`` drafted nothing because its K was 0: it verifies no drafts and, with
+        no fresh candidates, hands K = 0 on to step ``t + lag`` (a later probe refreshes it)."""
+        for stale in [s for s in self._capacity_for_step if s <= step_index]:
+            del self._capacity_for_step[stale]
+        self._capacity_for_step[step_index + self.lag] = 0
+        self.capacity_used = 0
+        self.used_prior = False
+
 
 class Admitter:
     """One admission decision per round under a configured policy (thin wrapper over the maths)."""
@@ -383,6 +396,19 @@ class Admitter:
     def capacity_used(self) -> int | None:
         """``async_topk``: the K its last decision used (None for the other policies)."""
         return None if self._async is None else self._async.capacity_used
+
+    def capacity_known_zero(self) -> bool:
+        """``async_topk``: whether the next step's K, decided ``lag`` steps ago, is 0. Such a step
+        verifies no drafts whatever the drafter returns, so the caller may skip drafting and call
+        :meth:`skip` instead of :meth:`admit`. (The decision uses only old information: never
+        the values of this step's drafts.)"""
+        return self._async is not None and self._async.planned_capacity(self._step) == 0
+
+    def skip(self) -> None:
+        """Record a step that drafted nothing because :meth:`capacity_known_zero` held."""
+        assert self.capacity_known_zero(), "skip() is only for steps whose K is known to be 0"
+        self._async.skip(self._step)
+        self._step += 1
 
     def admit(self, c: Any, step_index: int | None = None, max_lengths: Any = None) -> np.ndarray:
         """Lengths ``[num_requests]`` (int64, 0..gamma) for confidences ``c [num_requests, gamma]``.

@@ -45,12 +45,19 @@ class EngineConfig:
     exactly this truncation, so verification stays lossless."""
     update_cost_table: bool = True
     """Refresh SPS(B) from measured verification step times while serving."""
+    probe_interval: int = 8
+    """`async_topk`: a round whose K (decided two rounds earlier) is 0 verifies no drafts, so it
+    skips drafting; but at least every `probe_interval` rounds the drafter drafts anyway, so that
+    fresh confidences can raise K again. 0 = always draft. When drafter and verifier share one
+    device, drafting costs the round time; this keeps a weak drafter from slowing decoding."""
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
             object.__setattr__(self, "policy", AdmissionPolicy.parse(self.policy))
         if self.max_running < 1:
             raise ValueError("max_running must be >= 1")
+        if self.probe_interval < 0:
+            raise ValueError("probe_interval must be >= 0")
 
 
 @dataclass
@@ -109,6 +116,8 @@ class EngineStats:
     prefill_seconds: float = 0.0
     batch_tokens: list[int] = field(default_factory=list)
     capacity: list[int] = field(default_factory=list)
+    skipped_draft_rounds: int = 0
+    """async_topk rounds that did not draft because their K was known to be 0."""
 
 
 @dataclass
@@ -141,6 +150,7 @@ class Engine:
         self.running: list[Request] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._rounds_without_draft = 0
         self.round_observer: Callable[[RoundRecord], None] | None = None
         """Called once per speculative round (after verification) with its RoundRecord."""
 
@@ -199,7 +209,14 @@ class Engine:
         gamma = self.drafter.gamma if self.speculative else 0
         blocks = [None] * len(running)
         lengths = np.zeros(len(running), dtype=np.int64)
-        if self.speculative:
+        drafting = self.speculative and not self._skip_drafting()
+        if self.speculative and not drafting:
+            self.admitter.skip()
+            self._rounds_without_draft += 1
+            self.stats.skipped_draft_rounds += 1
+            self.stats.capacity.append(0)
+        if drafting:
+            self._rounds_without_draft = 0
             start = time.perf_counter()
             blocks = self.drafter.draft(
                 [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
@@ -225,7 +242,7 @@ class Engine:
         self.stats.batch_tokens.append(result.batch_tokens)
         if self.config.update_cost_table:
             self.cost_table.observe(result.batch_tokens, result.step_seconds)
-        if self.round_observer is not None and self.speculative:
+        if self.round_observer is not None and drafting:
             self.round_observer(RoundRecord([r.request_id for r in running], confidences,
                                             [int(n) for n in lengths], list(result.num_accepted)))
 
@@ -241,6 +258,12 @@ class Engine:
             outputs.append(self._emit(r, tokens))
         self._retire_finished()
         return outputs
+
+    def _skip_drafting(self) -> bool:
+        """Whether this round's K is known to be 0 (async_topk) and no probe is due."""
+        interval = self.config.probe_interval
+        return (interval > 0 and self._rounds_without_draft < interval - 1
+                and self.admitter.capacity_known_zero())
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _record_metrics(self, r: Request, verified: int, accepted: int, gamma: int) -> None:

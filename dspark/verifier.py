@@ -97,14 +97,21 @@ class TargetVerifier:
     def verify(self, requests: Sequence[VerifyRequest]) -> VerifyOutput:
         items, tokens, probs, indices = [], [], [], []
         lens = []
+        # The drafter may return some blocks sparse (greedy: k = 1) and others dense (plain
+        # sampling); a mixed batch is verified dense: the same distributions, written out.
+        admitted = [r.block for r in requests if r.block is not None and r.num_drafts > 0]
+        mixed = len({b.is_sparse for b in admitted}) > 1
         for req in requests:
             n = req.num_drafts if req.block is not None else 0
             drafts = req.block.tokens[:n].tolist() if n else []
             if n:
                 tokens.append(req.block.tokens[:n])
-                probs.append(req.block.probs[:n])
-                if req.block.indices is not None:
-                    indices.append(req.block.indices[:n])
+                if mixed and req.block.is_sparse:
+                    probs.append(req.block.dense(self.vocab_size)[:n])
+                else:
+                    probs.append(req.block.probs[:n])
+                    if req.block.indices is not None:
+                        indices.append(req.block.indices[:n])
             lens.append(n)
             items.append(ForwardItem(req.request_id, [req.anchor_token] + drafts, logits_from=0))
         old_lengths = [self.runner.length(r.request_id) for r in requests]

@@ -41,7 +41,8 @@ def tiny_target(tmp_path_factory):
 
 
 def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int = 8,
-                sparse_top_k: int | None = None, seed: int = 0) -> Engine:
+                sparse_top_k: int | None = None, seed: int = 0, table: CostTable | None = None,
+                probe_interval: int = 8) -> Engine:
     runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS, kv_cache_tokens=8192))
     drafter = None
     if with_drafter:
@@ -57,10 +58,11 @@ def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int
             drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
         drafter.set_target_weights(runner.model.embed_tokens.weight, runner.model.lm_head.weight)
     # A smooth cost table: verifying more tokens costs a little more.
-    table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    if table is None:
+        table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
     return Engine(TargetVerifier(runner), drafter, table,
                   EngineConfig(policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
-                               update_cost_table=False))
+                               update_cost_table=False, probe_interval=probe_interval))
 
 
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [40], [8, 8, 8, 8, 8], [33, 21, 7]]
@@ -104,6 +106,38 @@ def test_stop_tokens_and_max_tokens(tiny_target, reference_greedy):
     assert done[0].output_ids == ref[:first_stop + 1] and done[0].finish_reason == "stop"
     done = engine.generate([PROMPTS[1]], SamplingParams(temperature=0), max_tokens=3)
     assert done[0].output_ids == reference_greedy[1][:3] and done[0].finish_reason == "length"
+
+
+def test_async_topk_skips_drafting_when_capacity_is_zero(tiny_target, reference_greedy):
+    """A cost table where every extra verified token doubles the step time makes K = 0 after the
+    warm-up: those rounds skip the drafter, one round in `probe_interval` drafts anyway, and the
+    output is still the target's greedy output."""
+    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=steep, probe_interval=4)
+    drafted = []
+    engine.round_observer = lambda record: drafted.append(record)
+    done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24)
+    assert done[0].output_ids == reference_greedy[0]
+    rounds, skipped = engine.stats.rounds, engine.stats.skipped_draft_rounds
+    assert len(drafted) + skipped == rounds
+    assert skipped >= rounds // 2  # most rounds skip the drafter ...
+    assert len(drafted) >= rounds // 4  # ... but a probe drafts at least every 4th round
+    # With probing off (probe_interval = 0) every round drafts.
+    engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=steep, probe_interval=0)
+    done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24)
+    assert done[0].output_ids == reference_greedy[0] and engine.stats.skipped_draft_rounds == 0
+
+
+def test_greedy_and_sampled_requests_share_rounds(tiny_target, reference_greedy):
+    """Greedy blocks come sparse (k = 1) and plain sampled ones dense: one round verifies both."""
+    engine = make_engine(tiny_target[0], "fixed:4")
+    greedy = engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=24)
+    engine.add_request(PROMPTS[1], SamplingParams(temperature=1.0, seed=7), max_tokens=24)
+    by_id = {r.request_id: r for r in engine.waiting}
+    while engine.has_unfinished():
+        engine.step()
+    assert by_id[greedy].output_ids == reference_greedy[0]
+    assert all(r.metrics.drafts_verified > 0 for r in by_id.values())
 
 
 def test_same_seed_same_output(tiny_target):

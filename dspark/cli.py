@@ -30,6 +30,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "fit STS on the held-out split; write calibration.json beside the drafter"),
     "train": ("dspark.training.train_cli",
               "train a drafter (DSpark, DFlash or Eagle-style) with the target as an online teacher"),
+    "serve": ("dspark.serving.serve_cli",
+              "run one service: drafter | verifier | scheduler (gRPC; the scheduler also REST)"),
+    "up": ("dspark.serving.up_cli",
+           "the whole service stack as local processes on loopback; Ctrl-C stops it cleanly"),
+    "loadtest": ("loadtest.sweep", "SLA sweep with Locust per policy: Pareto frontier CSV/PNG, verification length"),
 }
 
 

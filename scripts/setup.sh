@@ -16,3 +16,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
+# gRPC stubs from protos/ (gitignored; dspark/serving/protos.py also regenerates stale ones).
+.venv/bin/python -m dspark.serving.protos >/dev/null

@@ -1,0 +1,203 @@
+"""Typed configs of the three services, built from flags with environment-variable defaults.
+
+One frozen dataclass per service, one docstring-like `help` per field, validation at
+construction. `add_arguments` turns a config class into argparse flags (`--field-name`, default
+from `DSPARK_<SERVICE>_<FIELD_NAME>` when set, else the field's default) and `from_args` builds
+the validated config back, so flags, env and defaults are resolved in exactly one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+
+class TraceExporter(enum.Enum):
+    """Where OpenTelemetry spans go."""
+
+    NONE = "none"
+    CONSOLE = "console"
+    """JSON spans on stdout (the SDK's console exporter)."""
+    OTLP = "otlp"
+    """OTLP/gRPC to `otlp_endpoint` (needs opentelemetry-exporter-otlp-proto-grpc)."""
+    FILE = "file"
+    """One JSON line per span appended to `trace_file` (tests and offline inspection)."""
+
+
+def _field(default: Any, help: str, **kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+def _check_port(port: int, what: str) -> None:
+    if not (0 <= port <= 65535):
+        raise ValueError(f"{what} must be a port number in 0..65535, got {port}")
+
+
+@dataclass(frozen=True)
+class TracingFields:
+    trace_exporter: TraceExporter = _field(TraceExporter.NONE, "where spans go: none | console | "
+                                           "otlp | file (the scheduler's metrics too, for "
+                                           "console and otlp)")
+    otlp_endpoint: str = _field("http://127.0.0.1:4317", "OTLP/gRPC collector (trace_exporter=otlp)")
+    trace_file: str = _field("", "JSON-lines span file (trace_exporter=file)")
+
+    def _check_tracing(self) -> None:
+        if self.trace_exporter is TraceExporter.FILE and not self.trace_file:
+            raise ValueError("trace_exporter=file needs --trace-file")
+
+
+@dataclass(frozen=True)
+class VerifierServiceConfig(TracingFields):
+    """The verifier service: the target model, its KV caches and lossless verification."""
+
+    host: str = _field("127.0.0.1", "address to listen on (0.0.0.0 in containers)")
+    port: int = _field(50052, "gRPC port")
+    model_dir: str = _field("", "target model folder (default: the prepared SmolLM2)")
+    drafter_dir: str = _field("", "drafter checkpoint whose target_layer_ids the verifier returns "
+                                  "(default: the shipped checkpoint when present)")
+    hidden_layer_ids: str = _field("", "comma-separated target layers to return (overrides "
+                                       "--drafter-dir); 'none' = no features")
+    dtype: str = _field("float32", "float32 | bfloat16")
+    device: str = _field("cpu", "torch device (cpu, cuda, auto)")
+    kv_cache_tokens: int = _field(65536, "KV cache capacity in tokens, shared by all requests")
+    max_context_tokens: int = _field(4096, "longest prompt + output of one request")
+    cost_table: str = _field("", "SPS(B) table JSON; default: measured at start-up")
+    threads: int = _field(1, "torch CPU threads")
+    grace_seconds: float = _field(5.0, "on SIGTERM, seconds to finish in-flight calls")
+    idle_expiry_seconds: float = _field(600.0, "free a request's KV cache after this long without "
+                                               "a call (a scheduler that died); 0 = never")
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "port")
+        if self.idle_expiry_seconds < 0:
+            raise ValueError("idle_expiry_seconds must be >= 0")
+        if self.kv_cache_tokens < 1 or self.max_context_tokens < 2 or self.threads < 1:
+            raise ValueError("kv_cache_tokens, threads must be >= 1, max_context_tokens >= 2")
+        self._check_tracing()
+
+
+@dataclass(frozen=True)
+class DrafterServiceConfig(TracingFields):
+    """The drafter service: the drafter model and each request's context K/V."""
+
+    host: str = _field("127.0.0.1", "address to listen on (0.0.0.0 in containers)")
+    port: int = _field(50051, "gRPC port")
+    model_dir: str = _field("", "target model folder whose embedding and LM head the drafter "
+                                "shares (default: the prepared SmolLM2)")
+    drafter_dir: str = _field("", "drafter checkpoint folder (default: the shipped one)")
+    dtype: str = _field("float32", "float32 | bfloat16")
+    device: str = _field("cpu", "torch device (cpu, cuda, auto)")
+    threads: int = _field(1, "torch CPU threads")
+    grace_seconds: float = _field(5.0, "on SIGTERM, seconds to finish in-flight rounds")
+    idle_expiry_seconds: float = _field(600.0, "free a request's context after this long without "
+                                               "a round (a scheduler that died); 0 = never")
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "port")
+        if self.idle_expiry_seconds < 0:
+            raise ValueError("idle_expiry_seconds must be >= 0")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+        self._check_tracing()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(TracingFields):
+    """The scheduler / gateway: client APIs, the engine loop, admission, request state."""
+
+    host: str = _field("127.0.0.1", "address to listen on (0.0.0.0 in containers)")
+    http_port: int = _field(8000, "OpenAI-compatible REST port")
+    grpc_port: int = _field(50050, "gRPC Generation port")
+    verifier: str = _field("127.0.0.1:50052", "verifier service address")
+    drafter: str = _field("127.0.0.1:50051", "drafter service address; empty = no drafter")
+    model_dir: str = _field("", "target model folder, for its tokenizer (default: prepared SmolLM2)")
+    model_name: str = _field("dspark", "the model name clients send and /v1/models lists")
+    policy: str = _field("async_topk", "async_topk | sync_greedy | none | fixed:N | threshold:H")
+    max_running: int = _field(16, "requests verified together in one round (per cohort)")
+    cohorts: int = _field(1, "engine loops over the same services, so one cohort drafts while "
+                             "another verifies (dspark.serving.cohorts); 1 = strict alternation")
+    sparse_top_k: int = _field(0, "ship draft distributions as top-k; 0 = dense")
+    update_cost_table: bool = _field(True, "refresh SPS(B) from measured verification steps")
+    max_tokens_limit: int = _field(2048, "largest max_tokens a client may ask for")
+    redis_url: str = _field("", "redis://host:port/db for request state; empty = in memory")
+    redis_prefix: str = _field("dspark:", "prefix of every Redis key this scheduler writes")
+    api_keys: str = _field("", "comma-separated accepted Bearer keys; empty = no auth")
+    draft_timeout_seconds: float = _field(10.0, "a round's drafts not back by then: the round "
+                                                "runs as plain decoding")
+    drafter_retry_seconds: float = _field(1.0, "while the drafter is down, how often to retry")
+    verifier_wait_seconds: float = _field(60.0, "how long to wait for a restarting verifier")
+    grace_seconds: float = _field(5.0, "on SIGTERM, seconds to finish in-flight rounds")
+
+    def __post_init__(self) -> None:
+        _check_port(self.http_port, "http_port")
+        _check_port(self.grpc_port, "grpc_port")
+        if self.max_running < 1 or self.max_tokens_limit < 1 or self.sparse_top_k < 0:
+            raise ValueError("max_running and max_tokens_limit must be >= 1, sparse_top_k >= 0")
+        if self.cohorts < 1:
+            raise ValueError(f"cohorts must be >= 1, got {self.cohorts}")
+        from dspark.admission import AdmissionPolicy
+
+        AdmissionPolicy.parse(self.policy)
+        self._check_tracing()
+
+    @property
+    def api_key_set(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+
+# ------------------------------------------------------------------------------------------------
+# dataclass <-> argparse
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> type:
+    return typing.get_type_hints(cls)[f.name]
+
+
+def _parse_value(kind: type, text: str) -> Any:
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"not a boolean: {text!r}")
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return kind(text)
+    return kind(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -> None:
+    """One flag per field; the default shown comes from the environment when set there."""
+    for f in dataclasses.fields(cls):
+        kind = _field_type(cls, f)
+        env = f"{env_prefix}_{f.name.upper()}"
+        default = f.default
+        if env in os.environ:
+            default = _parse_value(kind, os.environ[env])
+        shown = default.value if isinstance(default, enum.Enum) else default
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('help', '')} [env {env}; default: {shown!r}]"
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, type=lambda t: _parse_value(bool, t),
+                                default=default, help=help_text)
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+            parser.add_argument(flag, dest=f.name, type=kind, default=default,
+                                choices=list(kind), help=help_text, metavar="{" + "|".join(
+                                    e.value for e in kind) + "}")
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
+
+
+def from_args(cls: type[C], args: argparse.Namespace) -> C:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def optional_path(text: str) -> Path | None:
+    return Path(text) if text else None

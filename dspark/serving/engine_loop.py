@@ -1,0 +1,254 @@
+"""The scheduler's round loop: one thread that owns a dspark.engine.Engine and nothing else does.
+
+The engine is the same object the embedded mode uses (continuous batching, admission, lossless
+verification); here its verifier and drafter are remote proxies. Front ends (gRPC, REST) never
+touch it: they `submit` a request and read its events from a queue, or `cancel` it, and the loop
+applies those between rounds. Each round it also appends the new tokens to the request store,
+updates the metrics, and opens a `scheduler.round` span (parent: the oldest request's span;
+links: every request in the round), under which the drafter and verifier calls are traced.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from dspark.engine import Engine, Request, RequestMetrics, RoundRecord
+from dspark.sampling import SamplingParams
+from dspark.serving.metrics import SchedulerMetrics
+from dspark.serving.store import RequestStore, RoundUpdate, StoredRequest
+
+# Save the (live-refreshed) cost table to the store every this many rounds.
+COST_TABLE_SAVE_ROUNDS = 200
+
+
+@dataclass
+class Submission:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: list[int]
+    stored: StoredRequest | None = None
+    """The store record to create, or None when resuming one that exists."""
+
+
+@dataclass
+class StreamEvent:
+    """What a front end reads for its request: new tokens, then a last event with the outcome."""
+
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    """"stop" | "length" | "abort" | "error"."""
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Live:
+    request: Request
+    events: queue.Queue
+    span: trace.Span
+
+
+@dataclass
+class _Inbox:
+    submissions: list[tuple[Submission, queue.Queue]] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, store: RequestStore, metrics: SchedulerMetrics,
+                 tracer: trace.Tracer, logger, cost_table_name: str, cohort: int = 0) -> None:
+        self.engine = engine
+        self.store = store
+        self.metrics = metrics
+        self.tracer = tracer
+        self.logger = logger
+        self.cost_table_name = cost_table_name
+        self.cohort = cohort
+        self._inbox = _Inbox()
+        self._inbox_lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._live: dict[str, _Live] = {}
+        self._accepting = True
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"engine-loop-{cohort}",
+                                        daemon=True)
+        engine.round_observer = self._observe_round
+
+    # -- front-end side (any thread) --------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, submission: Submission) -> queue.Queue:
+        """Queue a request; its StreamEvents arrive on the returned queue."""
+        events: queue.Queue = queue.Queue()
+        with self._inbox_lock:
+            if not self._accepting:
+                raise RuntimeError("the scheduler is shutting down")
+            self._inbox.submissions.append((submission, events))
+        self._wakeup.set()
+        return events
+
+    def cancel(self, request_id: str) -> None:
+        """The client went away: abort the request and free its caches (between rounds)."""
+        with self._inbox_lock:
+            self._inbox.cancels.append(request_id)
+        self._wakeup.set()
+
+    def is_live(self, request_id: str) -> bool:
+        with self._inbox_lock:
+            pending = any(s.request_id == request_id for s, _ in self._inbox.submissions)
+        return pending or request_id in self._live
+
+    def queue_depth(self) -> int:
+        return len(self.engine.waiting) + len(self._inbox.submissions)
+
+    def num_live(self) -> int:
+        """Requests this loop holds or is about to (the cohort router balances on this)."""
+        return len(self._live) + len(self._inbox.submissions)
+
+    def stop(self, grace_seconds: float) -> None:
+        """Accept nothing new; let running requests finish for up to grace_seconds; abort the rest."""
+        with self._inbox_lock:
+            self._accepting = False
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and (self._live or self._inbox.submissions):
+            time.sleep(0.05)
+        self._stopping.set()
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    # -- the loop thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._apply_inbox()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+                    continue
+                self._one_round()
+            except Exception as e:  # the loop thread must never die with clients waiting
+                self.logger.exception("engine loop error; failing the live requests")
+                self._fail_all(f"{type(e).__name__}: {e}")
+        for rid in list(self._live):
+            self._finish_aborted(rid, "abort")
+        self._save_cost_table()
+
+    def _apply_inbox(self) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, _Inbox()
+        for submission, events in inbox.submissions:
+            try:
+                self._add(submission, events)
+            except Exception as e:  # e.g. the store is unreachable: tell this client, go on
+                self.logger.exception("could not add request %s", submission.request_id)
+                self._live.pop(submission.request_id, None)
+                events.put(StreamEvent([], True, "error", None, f"{type(e).__name__}: {e}"))
+        for rid in inbox.cancels:
+            if rid in self._live:
+                self.engine.abort(rid)
+                self._finish_aborted(rid, "abort")
+
+    def _add(self, s: Submission, events: queue.Queue) -> None:
+        if s.stored is not None:
+            self.store.create(s.stored)
+        span = self.tracer.start_span("scheduler.request", attributes={
+            "dspark.request_id": s.request_id, "dspark.prompt_tokens": len(s.prompt_ids),
+            "dspark.max_tokens": s.max_tokens})
+        self.engine.add_request(s.prompt_ids, s.sampling, s.max_tokens, s.stop_token_ids,
+                                request_id=s.request_id)
+        self._live[s.request_id] = _Live(self.engine.waiting[-1], events, span)
+        self.metrics.record_prompt(len(s.prompt_ids))
+
+    def _round_parent(self):
+        """The oldest live request's span is the round's parent; all of them are links."""
+        spans = [live.span for live in self._live.values()]
+        links = [trace.Link(sp.get_span_context()) for sp in spans]
+        return trace.set_span_in_context(spans[0]) if spans else None, links
+
+    def _one_round(self) -> None:
+        stats = self.engine.stats
+        rounds_before, verify_before = stats.rounds, stats.verify_seconds
+        capacity_before = len(stats.capacity)
+        parent, links = self._round_parent()
+        with self.tracer.start_as_current_span("scheduler.round", context=parent,
+                                               links=links) as span:
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a service failed past its retries: fail, never hang
+                self.logger.exception("round failed; failing its requests")
+                self._fail_all(f"{type(e).__name__}: {e}")
+                return
+            verified = stats.rounds > rounds_before
+            batch_tokens = stats.batch_tokens[-1] if verified else None
+            capacity = stats.capacity[-1] if len(stats.capacity) > capacity_before else None
+            span.set_attribute("dspark.num_requests", len(self.engine.running))
+            span.set_attribute("dspark.cohort", self.cohort)
+            if batch_tokens is not None:
+                span.set_attribute("dspark.batch_tokens", batch_tokens)
+            if capacity is not None:
+                span.set_attribute("dspark.capacity_k", capacity)
+        # Store first, then stream: a token a client has seen is always in the store.
+        self.store.record_round([RoundUpdate(str(o.request_id), list(o.new_token_ids),
+                                             o.finish_reason if o.finished else None)
+                                 for o in outputs])
+        for out in outputs:
+            rid = str(out.request_id)
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            live.events.put(StreamEvent(list(out.new_token_ids), out.finished, out.finish_reason,
+                                        copy.deepcopy(live.request.metrics) if out.finished else None))
+            if out.finished:
+                self._close(rid, out.finish_reason)
+        self.metrics.record_round(
+            sum(len(o.new_token_ids) for o in outputs), batch_tokens,
+            stats.verify_seconds - verify_before if verified else None, capacity,
+            len(self.engine.running), self.queue_depth(), cohort=self.cohort)
+        if verified and stats.rounds % COST_TABLE_SAVE_ROUNDS == 0:
+            self._save_cost_table()
+
+    def _observe_round(self, record: RoundRecord) -> None:
+        self.metrics.record_speculation(record.num_admitted, record.num_accepted)
+
+    def _close(self, rid: str, reason: str | None) -> None:
+        live = self._live.pop(rid)
+        live.span.set_attribute("dspark.finish_reason", reason or "")
+        live.span.set_attribute("dspark.output_tokens", len(live.request.output_ids))
+        live.span.end()
+        self.metrics.record_finished(reason or "unknown")
+
+    def _finish_aborted(self, rid: str, reason: str, error: str | None = None) -> None:
+        live = self._live.get(rid)
+        if live is None:
+            return
+        self.engine.abort(rid)
+        try:
+            self.store.record_round([RoundUpdate(rid, [], reason)])
+        except Exception:
+            self.logger.exception("store unreachable while aborting %s", rid)
+        live.events.put(StreamEvent([], True, reason, copy.deepcopy(live.request.metrics), error))
+        self._close(rid, reason)
+
+    def _fail_all(self, error: str) -> None:
+        for rid in list(self._live):
+            try:
+                self._finish_aborted(rid, "error", error)
+            except Exception:  # releasing on a dead service must not stop the others
+                self.logger.exception("abort failed")
+                self._live.pop(rid, None)
+
+    def _save_cost_table(self) -> None:
+        try:
+            self.store.save_cost_table(self.cost_table_name, self.engine.cost_table.to_dict())
+        except Exception:
+            self.logger.exception("saving the cost table failed")

@@ -1,0 +1,86 @@
+"""Conversions between the core dataclasses and `dspark.v1` messages, in one place.
+
+Both sides of every RPC use these, so a field added to a message is handled once. Decoding
+validates what the core would otherwise trust (sampling parameters, block shapes) and raises
+ValueError naming the field, which the servers turn into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.models.drafter import DraftBlock
+from dspark.sampling import SamplingParams
+from dspark.serving import tensor_codec
+from dspark.serving.protos import pb
+
+# The drafter service seeds its own stream of a seeded request with seed + this offset, so that
+# the drafter's uniforms (which sample x_k) are never the verifier's uniforms (which accept or
+# reject x_k): reusing one stream on both sides would correlate the two and bias the output.
+DRAFTER_SEED_OFFSET = 0x5DEECE66D
+
+
+def sampling_to_pb(params: SamplingParams) -> "pb.common.SamplingParams":
+    msg = pb.common.SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                   top_p=params.top_p)
+    if params.seed is not None:
+        msg.seed = int(params.seed)
+    return msg
+
+
+def sampling_from_pb(msg: "pb.common.SamplingParams", seed_offset: int = 0) -> SamplingParams:
+    """Raises ValueError (from SamplingParams) naming a bad temperature / top_k / top_p."""
+    seed = msg.seed + seed_offset if msg.HasField("seed") else None
+    return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
+                          seed=seed)
+
+
+def block_to_pb(round_id: int, request_id: str,
+                block: DraftBlock) -> "pb.drafter.DraftedBlock":
+    return pb.drafter.DraftedBlock(
+        round_id=round_id, request_id=request_id, tokens=tensor_codec.encode(block.tokens),
+        probs=tensor_codec.encode(block.probs.float()),
+        confidences=tensor_codec.encode(block.confidences.float()),
+        indices=tensor_codec.encode(block.indices))
+
+
+def block_from_pb(msg: "pb.drafter.DraftedBlock") -> DraftBlock:
+    tokens = tensor_codec.decode(msg.tokens)
+    probs = tensor_codec.decode(msg.probs)
+    confidences = tensor_codec.decode(msg.confidences)
+    if tokens is None or probs is None or confidences is None:
+        raise ValueError(f"block of {msg.request_id!r} lacks tokens, probs or confidences")
+    return DraftBlock(tokens.long(), probs.float(), confidences.float(),
+                      tensor_codec.decode(msg.indices))
+
+
+def admitted_drafts_to_pb(block: DraftBlock | None, num_drafts: int
+                          ) -> tuple["pb.common.Tensor", "pb.common.Tensor", "pb.common.Tensor"]:
+    """Only the l_r admitted drafts travel to the verifier: (tokens, probs, indices)."""
+    if block is None or num_drafts == 0:
+        return pb.common.Tensor(), pb.common.Tensor(), pb.common.Tensor()
+    indices = block.indices[:num_drafts] if block.indices is not None else None
+    return (tensor_codec.encode(block.tokens[:num_drafts]),
+            tensor_codec.encode(block.probs[:num_drafts].float()), tensor_codec.encode(indices))
+
+
+def admitted_drafts_from_pb(item: "pb.verifier.VerifyItem", vocab_size: int
+                            ) -> tuple[DraftBlock | None, int]:
+    """The admitted drafts as a DraftBlock of length l (confidences unused by verification)."""
+    tokens = tensor_codec.decode(item.draft_tokens)
+    if tokens is None or tokens.numel() == 0:
+        return None, 0
+    probs = tensor_codec.decode(item.draft_probs)
+    indices = tensor_codec.decode(item.draft_indices)
+    n = int(tokens.shape[0])
+    if tokens.dim() != 1 or probs is None or probs.dim() != 2 or probs.shape[0] != n:
+        raise ValueError(f"{item.request_id}: draft_tokens [l] and draft_probs [l, *] disagree")
+    if indices is None and probs.shape[1] != vocab_size:
+        raise ValueError(f"{item.request_id}: dense draft_probs must have {vocab_size} columns")
+    if indices is not None and indices.shape != probs.shape:
+        raise ValueError(f"{item.request_id}: draft_indices must have draft_probs' shape")
+    if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+        raise ValueError(f"{item.request_id}: draft token outside the vocabulary")
+    block = DraftBlock(tokens.long(), probs.float(), torch.zeros(n),
+                       None if indices is None else indices.long())
+    return block, n

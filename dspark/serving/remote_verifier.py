@@ -1,0 +1,150 @@
+"""RemoteVerifier: the TargetVerifier interface (prefill, verify, release, vocab_size) over gRPC.
+
+The engine cannot tell it from the in-process TargetVerifier. It also keeps, per live request,
+the prompt and every token produced so far, which is what a restarted verifier needs: when a call
+fails because the verifier is unavailable or no longer holds a request (NOT_FOUND), it waits for
+the verifier to come back, re-prefills those requests' caches from their tokens (`restore`) and
+retries the call. Greedy requests then continue token for token as if nothing happened; sampled
+ones continue from a fresh random stream (still exact in distribution).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+import grpc
+import torch
+
+from dspark.cost_table import CostTable
+from dspark.sampling import SamplingParams
+from dspark.serving import messages, tensor_codec
+from dspark.serving.grpc_runtime import channel
+from dspark.serving.protos import pb, rpc
+from dspark.serving.tracing import outgoing_metadata
+from dspark.verifier import PrefillOutput, VerifyOutput, VerifyRequest
+
+# Codes after which the request is retried once the verifier is back, its caches restored.
+_RESTORABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+
+
+class VerifierRejected(ValueError):
+    """The verifier refused a call as invalid (INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class _History:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    produced: list[int] = field(default_factory=list)
+    """Every token produced since the prompt; the last one is the anchor (not in the KV cache)."""
+
+
+class RemoteVerifier:
+    def __init__(self, address: str, wait_seconds: float = 60.0,
+                 on_restore: Callable[[list[str]], None] | None = None) -> None:
+        self.address = address
+        self.wait_seconds = wait_seconds
+        self.on_restore = on_restore
+        """Called with the request ids whose caches were rebuilt (metrics, logs)."""
+        self._channel = channel(address)
+        self._stub = rpc.verifier.VerifierStub(self._channel)
+        info = self._stub.Info(pb.common.InfoRequest(), wait_for_ready=True, timeout=wait_seconds)
+        self.vocab_size = int(info.vocab_size)
+        self.hidden_layer_ids = list(info.hidden_layer_ids)
+        self.max_context_tokens = int(info.max_context_tokens)
+        self.name = info.name
+        self._history: dict[str, _History] = {}
+
+    # -- the TargetVerifier interface -------------------------------------------------------
+    def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
+                sampling: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> PrefillOutput:
+        """(generators are the scheduler's; the verifier seeds its own from sampling.seed.)"""
+        ids = [str(r) for r in request_ids]
+        request = pb.verifier.PrefillRequest(items=[
+            pb.verifier.PrefillItem(request_id=rid, prompt_ids=list(p),
+                                    sampling=messages.sampling_to_pb(s))
+            for rid, p, s in zip(ids, prompts, sampling)])
+        reply = self._call(self._stub.Prefill, request, restore_ids=[])
+        first = [int(r.first_token) for r in reply.results]
+        for rid, p, s, t in zip(ids, prompts, sampling, first):
+            self._history[rid] = _History(list(p), s, [t])
+        return PrefillOutput(first, [tensor_codec.decode(r.features) for r in reply.results])
+
+    def verify(self, requests: Sequence[VerifyRequest]) -> VerifyOutput:
+        items = []
+        for req in requests:
+            tokens, probs, indices = messages.admitted_drafts_to_pb(req.block, req.num_drafts)
+            items.append(pb.verifier.VerifyItem(
+                request_id=str(req.request_id), anchor_token=int(req.anchor_token),
+                draft_tokens=tokens, draft_probs=probs, draft_indices=indices,
+                sampling=messages.sampling_to_pb(req.sampling)))
+        ids = [str(r.request_id) for r in requests]
+        reply = self._call(self._stub.Verify, pb.verifier.VerifyBatchRequest(items=items),
+                           restore_ids=ids)
+        outputs = [list(r.output_tokens) for r in reply.results]
+        for rid, tokens in zip(ids, outputs):
+            if rid in self._history:
+                self._history[rid].produced += tokens
+        return VerifyOutput([int(r.num_accepted) for r in reply.results], outputs,
+                            [tensor_codec.decode(r.features) for r in reply.results],
+                            batch_tokens=int(reply.batch_tokens),
+                            step_seconds=float(reply.step_seconds))
+
+    def release(self, request_id: Hashable) -> None:
+        rid = str(request_id)
+        self._history.pop(rid, None)
+        try:
+            self._stub.Release(pb.verifier.ReleaseRequest(request_ids=[rid]), timeout=5.0,
+                               metadata=outgoing_metadata())
+        except grpc.RpcError:
+            pass  # a verifier that is down holds nothing; a restarted one never saw the request
+
+    # -- beyond the interface ---------------------------------------------------------------
+    def cost_table(self) -> CostTable:
+        reply = self._stub.GetCostTable(pb.common.InfoRequest(), timeout=30.0)
+        return CostTable(list(reply.batch_tokens), list(reply.step_seconds),
+                         meta=json.loads(reply.meta_json or "{}"),
+                         draft_seconds=reply.draft_seconds)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # -- faults -----------------------------------------------------------------------------
+    def _call(self, method, request, restore_ids: list[str]):
+        deadline = time.monotonic() + self.wait_seconds
+        while True:
+            try:
+                return method(request, metadata=outgoing_metadata(), wait_for_ready=True,
+                              timeout=max(1.0, deadline - time.monotonic()))
+            except grpc.RpcError as e:
+                code = e.code()
+                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise VerifierRejected(e.details()) from e
+                if code not in _RESTORABLE or time.monotonic() >= deadline:
+                    raise
+            if restore_ids:
+                try:
+                    self._restore(restore_ids, deadline)
+                except grpc.RpcError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
+
+    def _restore(self, request_ids: list[str], deadline: float) -> None:
+        """Rebuild the KV caches of these requests: prompt + produced tokens except the anchor."""
+        live = [rid for rid in request_ids if rid in self._history]
+        items = []
+        for rid in live:
+            h = self._history[rid]
+            items.append(pb.verifier.PrefillItem(request_id=rid,
+                                                 prompt_ids=h.prompt_ids + h.produced[:-1],
+                                                 sampling=messages.sampling_to_pb(h.sampling)))
+        self._stub.Prefill(pb.verifier.PrefillRequest(items=items, restore=True),
+                           metadata=outgoing_metadata(), wait_for_ready=True,
+                           timeout=max(1.0, deadline - time.monotonic()))
+        if self.on_restore is not None:
+            self.on_restore(live)

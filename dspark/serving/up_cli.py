@@ -1,0 +1,104 @@
+"""`dspark up`: the whole service stack as local processes on loopback (DESIGN.md section 10).
+
+Starts the verifier, then the drafter (when there is a drafter checkpoint), then the scheduler,
+each as its own `python -m services.<name>` process, waits until each answers its health check,
+and prints where the APIs are. Ctrl-C (or SIGTERM) stops it cleanly: the scheduler first (it
+drains in-flight requests), then the drafter and the verifier. If any service dies, the others
+are stopped too and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from dspark.serving.local_stack import ServiceProcess, wait_grpc, wait_http
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=8000, help="OpenAI REST port")
+    parser.add_argument("--grpc-port", type=int, default=50050, help="gRPC Generation port")
+    parser.add_argument("--verifier-port", type=int, default=50052)
+    parser.add_argument("--drafter-port", type=int, default=50051)
+    parser.add_argument("--host", default="127.0.0.1", help="address the scheduler listens on")
+    parser.add_argument("--model-dir", default="", help="target folder (default: prepared SmolLM2)")
+    parser.add_argument("--drafter-dir", default="",
+                        help="drafter checkpoint (default: the shipped one; none = target only)")
+    parser.add_argument("--model-name", default="dspark", help="the model name clients send")
+    parser.add_argument("--policy", default="async_topk")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--redis-url", default="", help="redis://... (default: in-memory store)")
+    parser.add_argument("--api-keys", default="", help="comma-separated Bearer keys")
+    parser.add_argument("--cost-table", default="", help="SPS(B) JSON for the verifier")
+    parser.add_argument("--log-dir", default="", help="service logs here (default: a temp folder)")
+    parser.add_argument("--extra-scheduler-args", default="",
+                        help="more scheduler flags, space-separated")
+
+
+def stack_processes(args: argparse.Namespace, log_dir: Path) -> list[tuple[ServiceProcess, str]]:
+    """(process, readiness target) in start order; the target is host:port or an HTTP port."""
+    from dspark.generate import DEFAULT_DRAFTER
+
+    drafter_dir = args.drafter_dir or (str(DEFAULT_DRAFTER) if DEFAULT_DRAFTER.is_dir() else "")
+    use_drafter = drafter_dir not in ("", "none") and args.policy != "none"
+    common = ["--dtype", args.dtype, "--device", args.device]
+    model = ["--model-dir", args.model_dir] if args.model_dir else []
+    verifier = ["services.verifier", "--port", str(args.verifier_port), *model, *common,
+                "--hidden-layer-ids", "" if use_drafter else "none"]
+    if use_drafter:
+        verifier += ["--drafter-dir", drafter_dir]
+    if args.cost_table:
+        verifier += ["--cost-table", args.cost_table]
+    out = [(ServiceProcess("verifier", verifier, log_dir), f"127.0.0.1:{args.verifier_port}")]
+    if use_drafter:
+        out.append((ServiceProcess("drafter", [
+            "services.drafter", "--port", str(args.drafter_port), "--drafter-dir", drafter_dir,
+            *model, *common], log_dir), f"127.0.0.1:{args.drafter_port}"))
+    scheduler = ["services.scheduler", "--host", args.host, "--http-port", str(args.port),
+                 "--grpc-port", str(args.grpc_port), "--verifier", f"127.0.0.1:{args.verifier_port}",
+                 "--drafter", f"127.0.0.1:{args.drafter_port}" if use_drafter else "",
+                 "--model-name", args.model_name, "--policy", args.policy, *model,
+                 "--redis-url", args.redis_url, "--api-keys", args.api_keys,
+                 *args.extra_scheduler_args.split()]
+    out.append((ServiceProcess("scheduler", scheduler, log_dir), str(args.port)))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dspark-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    started: list[ServiceProcess] = []
+    code = 0
+    try:
+        for proc, target in stack_processes(args, log_dir):
+            print(f"dspark up: starting {proc.name} (log {log_dir / (proc.name + '.log')})",
+                  file=sys.stderr, flush=True)
+            started.append(proc.start())
+            if proc.name == "scheduler":
+                wait_http(proc, int(target))
+            else:
+                wait_grpc(proc, target)
+        print(f"dspark up: ready. REST http://{args.host}:{args.port}/v1  gRPC "
+              f"{args.host}:{args.grpc_port}  (Ctrl-C stops)", file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            dead = [p.name for p in started if not p.alive()]
+            if dead:
+                print(f"dspark up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
+                code = 1
+                break
+    except (RuntimeError, TimeoutError) as e:
+        print(f"dspark up: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        for proc in reversed(started):  # scheduler first: it drains, then its backends go
+            proc.stop()
+        print("dspark up: stopped", file=sys.stderr, flush=True)
+    return code

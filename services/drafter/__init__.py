@@ -1,0 +1,1 @@
+"""The drafter service: `python -m services.drafter` (or `dspark serve drafter`)."""

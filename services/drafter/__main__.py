@@ -1,0 +1,5 @@
+import sys
+
+from services.drafter.main import main
+
+sys.exit(main())

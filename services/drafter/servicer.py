@@ -1,0 +1,93 @@
+"""The Drafter gRPC servicer: any object following dspark.models.drafter.Drafter behind the
+`dspark.v1.Drafter` bidirectional stream.
+
+Per DraftRound: releases, then context updates (a `reset` first drops what is held: the
+scheduler's resync after this process restarted), then one batched `draft` call; the blocks are
+streamed back one message per request. Seeded requests get their own random stream here, seeded
+apart from the verifier's (messages.DRAFTER_SEED_OFFSET). One lock: the model drafts one round at
+a time even if two schedulers are connected.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import torch
+from opentelemetry import propagate
+
+from dspark.models.drafter import DraftRequest, Drafter
+from dspark.serving import messages, tensor_codec
+from dspark.serving.idle_expiry import IdleExpiry
+from dspark.serving.protos import pb, rpc
+
+
+class DrafterServicer(rpc.drafter.DrafterServicer):
+    def __init__(self, drafter: Drafter, vocab_size: int, target_layer_ids: list[int], name: str,
+                 tracer, idle_expiry_seconds: float = 0.0) -> None:
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        self.target_layer_ids = target_layer_ids
+        self.name = name
+        self.tracer = tracer
+        self._lock = threading.Lock()
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._idle = IdleExpiry(idle_expiry_seconds)
+
+    def _release(self, request_id: str) -> None:
+        self.drafter.release(request_id)
+        self._generators.pop(request_id, None)
+        self._idle.forget(request_id)
+
+    def Info(self, request, context):
+        return pb.drafter.DrafterInfo(gamma=self.drafter.gamma, vocab_size=self.vocab_size,
+                                      target_layer_ids=self.target_layer_ids, name=self.name)
+
+    def Draft(self, request_iterator, context):
+        for round_msg in request_iterator:
+            parent = propagate.extract(dict(round_msg.trace_context))
+            with self.tracer.start_as_current_span("drafter.round", context=parent) as span:
+                span.set_attribute("dspark.round_id", round_msg.round_id)
+                span.set_attribute("dspark.num_requests", len(round_msg.requests))
+                try:
+                    with self._lock:
+                        blocks = self._round(round_msg)
+                except ValueError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            for item, block in zip(round_msg.requests, blocks):
+                yield messages.block_to_pb(round_msg.round_id, item.request_id, block)
+
+    def _round(self, round_msg) -> list:
+        for rid in [*self._idle.expired(), *round_msg.release]:
+            self._release(rid)
+        for update in round_msg.context:
+            self._apply_context(update)
+            self._idle.touch(update.request_id)
+        requests = []
+        for item in round_msg.requests:
+            self._idle.touch(item.request_id)
+            if item.request_id not in self._generators:
+                params = messages.sampling_from_pb(item.sampling, messages.DRAFTER_SEED_OFFSET)
+                self._generators[item.request_id] = params.generator()
+            if not (0 <= item.anchor_token < self.vocab_size) or item.anchor_position < 0:
+                raise ValueError(f"{item.request_id}: anchor token or position out of range")
+            requests.append(DraftRequest(item.request_id, int(item.anchor_token),
+                                         int(item.anchor_position),
+                                         messages.sampling_from_pb(item.sampling),
+                                         self._generators[item.request_id]))
+        top_k = round_msg.sparse_top_k or None
+        return self.drafter.draft(requests, sparse_top_k=top_k) if requests else []
+
+    def _apply_context(self, update) -> None:
+        if update.reset:
+            self.drafter.release(update.request_id)
+        features = tensor_codec.decode(update.features)
+        positions = tensor_codec.decode(update.positions)
+        tokens = tensor_codec.decode(update.token_ids)
+        if features is None or positions is None:
+            raise ValueError(f"{update.request_id}: context update needs features and positions")
+        if features.dim() != 2 or positions.shape != (features.shape[0],):
+            raise ValueError(f"{update.request_id}: features [n, d] and positions [n] disagree: "
+                             f"{tuple(features.shape)} vs {tuple(positions.shape)}")
+        self.drafter.append_context(update.request_id, features.float(), positions.long(),
+                                    None if tokens is None else tokens.long())

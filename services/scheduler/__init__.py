@@ -1,0 +1,1 @@
+"""The scheduler service (gateway): `python -m services.scheduler` (or `dspark serve scheduler`)."""

@@ -1,0 +1,108 @@
+"""The gRPC Generation API of the scheduler, and the API-key interceptor.
+
+Generate validates exactly as the REST API does (the shared Gateway), then streams one
+GenerateReply per round with the request's new tokens and text, the last one carrying usage and
+speculative metrics. A client that cancels or disconnects has its request aborted at once.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from dspark.serving import messages
+from dspark.serving.protos import pb, rpc
+from services.scheduler.gateway import Gateway, GenerationStream, InvalidRequest
+
+_GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+              404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.FAILED_PRECONDITION,
+              503: grpc.StatusCode.UNAVAILABLE}
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <key>` metadata (health checks excepted)."""
+
+    def __init__(self, keys: frozenset[str]) -> None:
+        self.keys = keys
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if not self.keys or handler_call_details.method.startswith("/grpc.health."):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        header = metadata.get("authorization", "")
+        if header.startswith("Bearer ") and header[len("Bearer "):].strip() in self.keys:
+            return handler
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or invalid API key (metadata authorization: Bearer <key>)")
+
+        if handler is not None and handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                deny, request_deserializer=handler.request_deserializer)
+        return grpc.unary_unary_rpc_method_handler(
+            deny, request_deserializer=handler.request_deserializer if handler else None)
+
+
+class GenerationServicer(rpc.generation.GenerationServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def _start(self, request) -> GenerationStream:
+        g = self.gateway
+        if request.resume_request_id:
+            return g.resume(request.resume_request_id)
+        g.check_model(request.model)
+        given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
+        if sum(given) != 1:
+            raise InvalidRequest("give exactly one of prompt, prompt_token_ids, messages")
+        if request.messages:
+            prompt_ids = g.encode_chat([{"role": m.role, "content": m.content}
+                                        for m in request.messages])
+        else:
+            prompt_ids = g.encode_prompt(request.prompt or list(request.prompt_token_ids))
+        s = request.sampling
+        spec = g.spec(prompt_ids, temperature=s.temperature,
+                      top_p=s.top_p if s.top_p else 1.0,  # proto3 default 0 = unset
+                      top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
+                      max_tokens=request.max_tokens or 16)
+        return g.start(spec, g.new_request_id("gen"))
+
+    def Generate(self, request, context):
+        try:
+            stream = self._start(request)
+        except InvalidRequest as e:
+            context.abort(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
+        context.add_callback(stream.cancel)  # no-op once finished
+        for chunk in stream:
+            if chunk.error:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed: {chunk.error}")
+            reply = pb.generation.GenerateReply(request_id=stream.request_id,
+                                                token_ids=chunk.token_ids, text=chunk.text,
+                                                finished=chunk.finished,
+                                                finish_reason=chunk.finish_reason or "")
+            if chunk.finished:
+                reply.usage.prompt_tokens = chunk.prompt_tokens
+                reply.usage.completion_tokens = chunk.completion_tokens
+                m = chunk.metrics
+                if m is not None:
+                    reply.metrics.rounds = m.rounds
+                    reply.metrics.drafts_verified = m.drafts_verified
+                    reply.metrics.drafts_accepted = m.drafts_accepted
+                    reply.metrics.acceptance_length = m.tau
+            yield reply
+
+    def GetRequest(self, request, context):
+        try:
+            r = self.gateway.fetch(request.request_id)
+        except InvalidRequest as e:
+            context.abort(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
+        from dspark.sampling import SamplingParams
+
+        s = r.sampling
+        return pb.generation.RequestRecord(
+            request_id=r.request_id, prompt_ids=r.prompt_ids, output_ids=r.output_ids,
+            sampling=messages.sampling_to_pb(SamplingParams(s["temperature"], s["top_k"],
+                                                            s["top_p"], s.get("seed"))),
+            max_tokens=r.max_tokens, status=r.status, finish_reason=r.finish_reason,
+            text=self.gateway.decode(r.output_ids))

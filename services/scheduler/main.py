@@ -1,0 +1,203 @@
+"""`python -m services.scheduler`: the gateway. Connects to the verifier and drafter services,
+runs the engine loop over remote proxies, and serves gRPC Generation and the OpenAI REST API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.serving.config import SchedulerConfig, add_arguments, from_args
+
+ENV_PREFIX = "DSPARK_SCHEDULER"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser, SchedulerConfig, ENV_PREFIX)
+
+
+@dataclass
+class Scheduler:
+    """Everything a running scheduler holds, so that `stop` can take it down in order."""
+
+    config: SchedulerConfig
+    loop: object
+    grpc_server: object
+    health: object
+    rest_server: object
+    rest_thread: threading.Thread
+    verifiers: list
+    drafters: list
+    tracing: object
+    meter_provider: object | None
+    logger: object
+    grpc_port: int
+    http_port: int
+
+    def stop(self) -> None:
+        from dspark.serving import grpc_runtime
+
+        grpc_runtime.set_serving(self.health, ["dspark.v1.Generation"], False)
+        self.loop.stop(self.config.grace_seconds)  # drain in-flight requests
+        self.rest_server.shutdown()
+        self.rest_server.server_close()
+        self.grpc_server.stop(1.0).wait()
+        for proxy in [*self.drafters, *self.verifiers]:
+            proxy.close()
+        self.tracing.shutdown()
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown()  # flushes the last export
+        grpc_runtime.log_event(self.logger, "stopped")
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@dataclass
+class Cohort:
+    """One engine loop's own proxies (a cohort shares the services, not the connections)."""
+
+    verifier: object
+    drafter: object | None
+    engine: object
+
+
+def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Cohort:
+    """A RemoteVerifier, a RemoteDrafter (unless none) and an Engine over them."""
+    from dspark.admission import AdmissionPolicy
+    from dspark.cost_table import CostTable
+    from dspark.engine import Engine, EngineConfig
+    from dspark.serving import grpc_runtime
+    from dspark.serving.remote_drafter import RemoteDrafter
+    from dspark.serving.remote_verifier import RemoteVerifier
+
+    def restored(ids: list[str]) -> None:
+        metrics.add_verifier_restores(len(ids))
+        grpc_runtime.log_event(logger, "verifier caches restored", requests=ids)
+
+    def drafter_state(available: bool) -> None:
+        metrics.set_drafter_available(available)
+        grpc_runtime.log_event(logger, "drafter back: speculating" if available
+                               else "drafter lost: plain decoding until it is back")
+
+    verifier = RemoteVerifier(config.verifier, config.verifier_wait_seconds, on_restore=restored)
+    policy = AdmissionPolicy.parse(config.policy)
+    drafter = None
+    if config.drafter and str(policy) != "none":
+        drafter = RemoteDrafter(config.drafter, config.draft_timeout_seconds,
+                                config.drafter_retry_seconds, config.verifier_wait_seconds,
+                                on_state_change=drafter_state)
+        if drafter.target_layer_ids != verifier.hidden_layer_ids:
+            raise SystemExit(f"the drafter reads target layers {drafter.target_layer_ids} but the "
+                             f"verifier returns {verifier.hidden_layer_ids}")
+    # Each engine refreshes its own copy of SPS(B) (CostTable is not shared across threads).
+    table = CostTable.from_dict(cost_table.to_dict())
+    engine = Engine(verifier, drafter, table,
+                    EngineConfig(policy=policy, max_running=config.max_running,
+                                 sparse_top_k=config.sparse_top_k or None,
+                                 update_cost_table=config.update_cost_table))
+    return Cohort(verifier, drafter, engine)
+
+
+def start(config: SchedulerConfig) -> Scheduler:
+    from dspark.cost_table import CostTable
+    from dspark.fetch import ensure_model
+    from dspark.generate import stop_token_ids
+    from dspark.serving import grpc_runtime
+    from dspark.serving.cohorts import Cohorts
+    from dspark.serving.engine_loop import EngineLoop
+    from dspark.serving.metrics import SchedulerMetrics
+    from dspark.serving.otel_metrics import metric_reader, setup_metrics
+    from dspark.serving.protos import rpc
+    from dspark.serving.remote_verifier import RemoteVerifier
+    from dspark.serving.store import open_store
+    from dspark.serving.tracing import setup_tracing
+    from services.scheduler.gateway import Gateway
+    from services.scheduler.grpc_api import ApiKeyInterceptor, GenerationServicer
+    from services.scheduler.rest_api import RestServer
+
+    logger = grpc_runtime.service_logger("scheduler")
+    tracing = setup_tracing("scheduler", config)
+    metrics = SchedulerMetrics(config.model_name)
+    meter_provider = setup_metrics("scheduler", metrics, metric_reader(config))
+    store = open_store(config.redis_url, config.redis_prefix)
+    probe = RemoteVerifier(config.verifier, config.verifier_wait_seconds)
+    name = probe.name  # the cost table is stored under the target's name
+    stored_table = store.load_cost_table(name)
+    table = CostTable.from_dict(stored_table) if stored_table else probe.cost_table()
+    probe.close()
+    store.save_cost_table(name, table.to_dict())
+    cohorts = [connect_cohort(config, metrics, logger, table) for _ in range(config.cohorts)]
+    model_dir = Path(config.model_dir) if config.model_dir else ensure_model()
+    tokenizer = load_tokenizer(model_dir)
+    loops = Cohorts([EngineLoop(c.engine, store, metrics, tracing.tracer, logger, name, cohort=i)
+                     for i, c in enumerate(cohorts)])
+    verifier = cohorts[0].verifier
+    gateway = Gateway(loops, store, tokenizer, config.model_name, config.max_tokens_limit,
+                      verifier.max_context_tokens, verifier.vocab_size, stop_token_ids(tokenizer))
+    loops.start()
+
+    grpc_server, health = grpc_runtime.new_server(
+        interceptors=(ApiKeyInterceptor(config.api_key_set),))
+    rpc.generation.add_GenerationServicer_to_server(GenerationServicer(gateway), grpc_server)
+    grpc_port = grpc_runtime.bind(grpc_server, config.host, config.grpc_port)
+    grpc_server.start()
+    drafters = [c.drafter for c in cohorts if c.drafter is not None]
+
+    def render_metrics() -> str:
+        metrics.set_fallback_rounds(sum(d.fallback_rounds for d in drafters))
+        return metrics.render()
+
+    def health_body() -> dict:
+        return {"status": "ok", "model": config.model_name,
+                "drafter": all(d.available for d in drafters) if drafters else None,
+                "cohorts": len(cohorts), "running": loops.num_running(),
+                "waiting": loops.queue_depth()}
+
+    rest_server = RestServer((config.host, config.http_port), gateway, config.api_key_set,
+                             render_metrics, health_body)
+    rest_thread = threading.Thread(target=rest_server.serve_forever, name="rest", daemon=True)
+    rest_thread.start()
+    grpc_runtime.set_serving(health, ["dspark.v1.Generation"], True)
+    http_port = rest_server.server_address[1]
+    grpc_runtime.log_event(logger, "serving", http=f"{config.host}:{http_port}",
+                           grpc=f"{config.host}:{grpc_port}", verifier=config.verifier,
+                           drafter=config.drafter or None, policy=config.policy,
+                           cohorts=config.cohorts,
+                           store="redis" if config.redis_url else "memory", pid=os.getpid())
+    return Scheduler(config, loops, grpc_server, health, rest_server, rest_thread,
+                     [c.verifier for c in cohorts], drafters, tracing, meter_provider, logger,
+                     grpc_port, http_port)
+
+
+def serve(config: SchedulerConfig) -> int:
+    import torch
+
+    from dspark.serving import grpc_runtime
+
+    torch.set_num_threads(1)  # the scheduler only routes tensors; the model work is elsewhere
+    scheduler = start(config)
+    grpc_runtime.wait_for_signal()
+    scheduler.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve(from_args(SchedulerConfig, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.scheduler",
+                                     description="DSpark scheduler / gateway (gRPC + OpenAI REST)")
+    configure(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = from_args(SchedulerConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+    return serve(config)

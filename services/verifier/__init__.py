@@ -1,0 +1,1 @@
+"""The verifier service: `python -m services.verifier` (or `dspark serve verifier`)."""

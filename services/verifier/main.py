@@ -1,0 +1,90 @@
+"""`python -m services.verifier`: load the target, profile SPS(B), serve `dspark.v1.Verifier`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from dspark.serving.config import VerifierServiceConfig, add_arguments, from_args
+
+ENV_PREFIX = "DSPARK_VERIFIER"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser, VerifierServiceConfig, ENV_PREFIX)
+
+
+def hidden_layers(config: VerifierServiceConfig) -> tuple[int, ...]:
+    """Explicit --hidden-layer-ids, else the drafter checkpoint's target_layer_ids, else none."""
+    from dspark.generate import DEFAULT_DRAFTER
+    from dspark.models.drafter_config import DrafterConfig
+
+    if config.hidden_layer_ids == "none":
+        return ()
+    if config.hidden_layer_ids:
+        return tuple(int(x) for x in config.hidden_layer_ids.split(","))
+    drafter_dir = Path(config.drafter_dir) if config.drafter_dir else DEFAULT_DRAFTER
+    if drafter_dir.is_dir():
+        return tuple(DrafterConfig.load(drafter_dir).target_layer_ids)
+    return ()
+
+
+def build_servicer(config: VerifierServiceConfig, tracer):
+    import torch
+
+    from dspark.cost_table import CostTable
+    from dspark.evaluation.loading import load_target, resolve_device
+    from dspark.fetch import ensure_model
+    from dspark.generate import startup_cost_table
+    from dspark.verifier import TargetVerifier
+    from services.verifier.servicer import VerifierLimits, VerifierServicer
+
+    torch.set_num_threads(config.threads)
+    model_dir = Path(config.model_dir) if config.model_dir else ensure_model()
+    runner = load_target(model_dir, hidden_layers(config), kv_cache_tokens=config.kv_cache_tokens,
+                         device=resolve_device(config.device), dtype=config.dtype)
+    if config.cost_table and Path(config.cost_table).exists():
+        table = CostTable.load(config.cost_table)
+    else:
+        table = startup_cost_table(runner)
+    return VerifierServicer(TargetVerifier(runner), table,
+                            VerifierLimits(config.max_context_tokens, config.idle_expiry_seconds), model_dir.name, tracer)
+
+
+def serve(config: VerifierServiceConfig) -> int:
+    from dspark.serving import grpc_runtime
+    from dspark.serving.protos import rpc
+    from dspark.serving.tracing import setup_tracing
+
+    logger = grpc_runtime.service_logger("verifier")
+    tracing = setup_tracing("verifier", config)
+    servicer = build_servicer(config, tracing.tracer)
+    server, health = grpc_runtime.new_server()
+    rpc.verifier.add_VerifierServicer_to_server(servicer, server)
+    port = grpc_runtime.bind(server, config.host, config.port)
+    server.start()
+    grpc_runtime.set_serving(health, ["dspark.v1.Verifier"], True)
+    grpc_runtime.log_event(logger, "serving", address=f"{config.host}:{port}",
+                           model=servicer.name, pid=os.getpid(),
+                           hidden_layer_ids=list(servicer.verifier.runner.config.hidden_layer_ids))
+    grpc_runtime.wait_for_signal()
+    grpc_runtime.drain(server, health, ["dspark.v1.Verifier"], config.grace_seconds, logger)
+    tracing.shutdown()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve(from_args(VerifierServiceConfig, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.verifier",
+                                     description="DSpark verifier service (target + lossless verification)")
+    configure(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = from_args(VerifierServiceConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+    return serve(config)

@@ -1,0 +1,166 @@
+"""The Verifier gRPC servicer: dspark.verifier.TargetVerifier behind `dspark.v1.Verifier`.
+
+It adds only what a network boundary needs: string request ids, per-request random streams
+(the scheduler's generators cannot travel), input validation with INVALID_ARGUMENT naming the
+problem, NOT_FOUND for a request this process does not hold (after a restart the scheduler
+re-prefills it), and one lock, because the target runner serves one call at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from dspark.cost_table import CostTable
+from dspark.models.kv_cache import KVCacheFull
+from dspark.serving import messages, tensor_codec
+from dspark.serving.idle_expiry import IdleExpiry
+from dspark.serving.protos import pb, rpc
+from dspark.serving.tracing import incoming_context
+from dspark.verifier import TargetVerifier, VerifyRequest
+
+
+@dataclass(frozen=True)
+class VerifierLimits:
+    max_context_tokens: int
+    """Longest prompt + output of one request."""
+    idle_expiry_seconds: float = 0.0
+    """Free a request untouched this long (dspark.serving.idle_expiry); 0 = never."""
+
+
+class VerifierServicer(rpc.verifier.VerifierServicer):
+    def __init__(self, verifier: TargetVerifier, cost_table: CostTable, limits: VerifierLimits,
+                 name: str, tracer) -> None:
+        self.verifier = verifier
+        self.cost_table = cost_table
+        self.limits = limits
+        self.name = name
+        self.tracer = tracer
+        self._lock = threading.Lock()
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._idle = IdleExpiry(limits.idle_expiry_seconds)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _span(self, name: str, context: grpc.ServicerContext):
+        return self.tracer.start_as_current_span(
+            name, context=incoming_context(context.invocation_metadata()))
+
+    def _release_locked(self, request_id: str) -> None:
+        self.verifier.release(request_id)
+        self._generators.pop(request_id, None)
+        self._idle.forget(request_id)
+
+    def _expire_idle_locked(self) -> None:
+        for rid in self._idle.expired():
+            self._release_locked(rid)
+
+    @staticmethod
+    def _abort_on(context: grpc.ServicerContext, error: Exception) -> None:
+        if isinstance(error, KVCacheFull):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {error}")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+    # -- RPCs -------------------------------------------------------------------------------
+    def Info(self, request, context):
+        runner = self.verifier.runner
+        with self._lock:
+            held = sorted(self._generators)
+        return pb.verifier.VerifierInfo(vocab_size=self.verifier.vocab_size,
+                                        hidden_layer_ids=list(runner.config.hidden_layer_ids),
+                                        name=self.name,
+                                        max_context_tokens=self.limits.max_context_tokens,
+                                        active_requests=held)
+
+    def Prefill(self, request, context):
+        with self._span("verifier.prefill", context) as span:
+            span.set_attribute("dspark.num_requests", len(request.items))
+            try:
+                ids, prompts, params = self._check_prefill(request)
+            except ValueError as e:
+                self._abort_on(context, e)
+            with self._lock:
+                self._expire_idle_locked()
+                for rid in ids:  # a re-prefill (restore) replaces whatever was held
+                    self._release_locked(rid)
+                generators = [p.generator() for p in params]
+                try:
+                    out = self.verifier.prefill(ids, prompts, params, generators)
+                except (KVCacheFull, ValueError) as e:
+                    self._abort_on(context, e)
+                for rid, g in zip(ids, generators):
+                    self._generators[rid] = g
+                    self._idle.touch(rid)
+            results = [pb.verifier.PrefillResult(
+                first_token=int(t), features=pb.common.Tensor() if request.restore
+                else tensor_codec.encode(f)) for t, f in zip(out.first_tokens, out.features)]
+            return pb.verifier.PrefillReply(results=results)
+
+    def _check_prefill(self, request):
+        ids, prompts, params = [], [], []
+        vocab = self.verifier.vocab_size
+        for item in request.items:
+            if not item.request_id:
+                raise ValueError("prefill item without request_id")
+            prompt = list(item.prompt_ids)
+            if not prompt:
+                raise ValueError(f"{item.request_id}: empty prompt")
+            if len(prompt) >= self.limits.max_context_tokens:
+                raise ValueError(f"{item.request_id}: prompt of {len(prompt)} tokens does not fit "
+                                 f"the context of {self.limits.max_context_tokens}")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"{item.request_id}: prompt token outside the vocabulary 0..{vocab - 1}")
+            ids.append(item.request_id)
+            prompts.append(prompt)
+            params.append(messages.sampling_from_pb(item.sampling))
+        if len(set(ids)) != len(ids):
+            raise ValueError("a request id appears twice in one prefill")
+        return ids, prompts, params
+
+    def Verify(self, request, context):
+        with self._span("verifier.verify", context) as span:
+            with self._lock:
+                self._expire_idle_locked()
+                runner = self.verifier.runner
+                missing = [it.request_id for it in request.items if not runner.has_request(it.request_id)]
+                if missing:
+                    context.abort(grpc.StatusCode.NOT_FOUND,
+                                  f"requests not held by this verifier: {','.join(missing)}")
+                try:
+                    batch = [self._verify_request(it, runner) for it in request.items]
+                    out = self.verifier.verify(batch)
+                except (KVCacheFull, ValueError) as e:
+                    self._abort_on(context, e)
+                for it in request.items:
+                    self._idle.touch(it.request_id)
+            span.set_attribute("dspark.batch_tokens", out.batch_tokens)
+            span.set_attribute("dspark.num_accepted", list(out.num_accepted))
+            results = [pb.verifier.VerifyResult(num_accepted=int(n), output_tokens=tokens,
+                                                features=tensor_codec.encode(f))
+                       for n, tokens, f in zip(out.num_accepted, out.output_tokens, out.features)]
+            return pb.verifier.VerifyBatchReply(results=results, batch_tokens=out.batch_tokens,
+                                                step_seconds=out.step_seconds)
+
+    def _verify_request(self, item, runner) -> VerifyRequest:
+        block, n = messages.admitted_drafts_from_pb(item, self.verifier.vocab_size)
+        if runner.length(item.request_id) + 1 + n > self.limits.max_context_tokens:
+            raise ValueError(f"{item.request_id}: would exceed the context of "
+                             f"{self.limits.max_context_tokens} tokens")
+        return VerifyRequest(item.request_id, int(item.anchor_token), block, n,
+                             messages.sampling_from_pb(item.sampling),
+                             self._generators.get(item.request_id))
+
+    def Release(self, request, context):
+        with self._lock:
+            for rid in request.request_ids:
+                self._release_locked(rid)
+        return pb.verifier.ReleaseReply()
+
+    def GetCostTable(self, request, context):
+        t = self.cost_table
+        return pb.verifier.CostTableReply(batch_tokens=t.batch_tokens, step_seconds=t.step_seconds,
+                                          meta_json=json.dumps(t.meta),
+                                          draft_seconds=t.draft_seconds)

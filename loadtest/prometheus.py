@@ -1,0 +1,54 @@
+"""The few scheduler `/metrics` figures the sweep needs, read from Prometheus text.
+
+Mean verification length per request (the paper's Figure 8) over a load level is the number of
+draft tokens sent to the target divided by the number of draft blocks verified (one block per
+request per speculative round), both as differences of the counters between the level's start
+and end; the acceptance length (tokens per request per round) likewise.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_accepted_tokens_total", "generation_tokens_total")
+
+
+def counter_values(text: str, prefix: str = "dspark:") -> dict[str, float]:
+    """Unlabelled-by-position samples of COUNTERS (summed over label sets)."""
+    out = {name: 0.0 for name in COUNTERS}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if not match or not match.group(1).startswith(prefix):
+            continue
+        name = match.group(1)[len(prefix):]
+        if name in out:
+            out[name] += float(match.group(3))
+    return out
+
+
+@dataclass(frozen=True)
+class SpeculationDelta:
+    drafts: float
+    draft_tokens: float
+    accepted_tokens: float
+    generated_tokens: float
+
+    @classmethod
+    def between(cls, before: dict[str, float], after: dict[str, float]) -> "SpeculationDelta":
+        d = {k: after[k] - before[k] for k in COUNTERS}
+        return cls(d["spec_decode_num_drafts_total"], d["spec_decode_num_draft_tokens_total"],
+                   d["spec_decode_num_accepted_tokens_total"], d["generation_tokens_total"])
+
+    @property
+    def mean_verification_length(self) -> float:
+        """Drafts verified per request per round; 0 without speculation (policy none)."""
+        return self.draft_tokens / self.drafts if self.drafts else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per request per speculative round (accepted drafts + 1); NaN without any."""
+        return (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else math.nan

@@ -1,0 +1,96 @@
+"""The sweep's results: one row per (policy, concurrency level), and the SLA table.
+
+A level's per-user speed is the mean over its responses of the tokens/s after the first token;
+its aggregate throughput is every token the clients received in the run window divided by the
+window's length. A level *holds* an SLA of X tokens/s when at least `attainment` (default 90%) of
+its responses reached X; the throughput a policy holds at X is the highest aggregate throughput
+among its levels that hold X (0 when none does).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loadtest.prometheus import SpeculationDelta
+
+
+@dataclass
+class LevelResult:
+    policy: str
+    users: int
+    seconds: float
+    responses: int
+    errors: int
+    per_user_tokens_per_s: float
+    per_user_tokens_per_s_p50: float
+    ttft_ms_mean: float
+    ttft_ms_p50: float
+    aggregate_tokens_per_s: float
+    mean_verification_length: float
+    acceptance_length: float
+    scheduler_generated_tokens: float
+    sla_attainment: dict[float, float] = field(default_factory=dict)
+    """SLA (tokens/s) -> share of responses at or above it."""
+
+    @classmethod
+    def from_run(cls, policy: str, users: int, summary: dict, delta: SpeculationDelta,
+                 sla_levels: list[float]) -> "LevelResult":
+        responses = summary["responses"]
+        speeds = [r["tokens_per_s"] for r in responses if r["tokens_per_s"] is not None]
+        ttfts = [r["ttft_ms"] for r in responses]
+
+        def mean(xs):
+            return statistics.fmean(xs) if xs else math.nan
+
+        def median(xs):
+            return statistics.median(xs) if xs else math.nan
+
+        attainment = {s: (sum(v >= s for v in speeds) / len(speeds) if speeds else 0.0)
+                      for s in sla_levels}
+        return cls(policy, users, summary["seconds"], len(responses), summary["errors"],
+                   mean(speeds), median(speeds), mean(ttfts), median(ttfts),
+                   summary["aggregate_tokens_per_s"], delta.mean_verification_length,
+                   delta.acceptance_length, delta.generated_tokens, attainment)
+
+    def row(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "sla_attainment"}
+        for sla, share in self.sla_attainment.items():
+            out[f"sla_{sla:g}_attainment"] = share
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class SlaHold:
+    policy: str
+    sla_tokens_per_s: float
+    attainment: float
+    aggregate_tokens_per_s: float
+    users: int | None
+    """The concurrency level that holds it; None when no level does."""
+
+
+def sla_table(results: list[LevelResult], sla_levels: list[float],
+              attainment: float) -> list[SlaHold]:
+    table = []
+    for policy in dict.fromkeys(r.policy for r in results):
+        levels = [r for r in results if r.policy == policy]
+        for sla in sla_levels:
+            holding = [r for r in levels if r.sla_attainment.get(sla, 0.0) >= attainment]
+            best = max(holding, key=lambda r: r.aggregate_tokens_per_s, default=None)
+            table.append(SlaHold(policy, sla, attainment,
+                                 best.aggregate_tokens_per_s if best else 0.0,
+                                 best.users if best else None))
+    return table
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        raise ValueError(f"nothing to write to {path}")
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

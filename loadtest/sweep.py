@@ -1,0 +1,191 @@
+"""`dspark loadtest`: the SLA sweep (issue 7 part 2).
+
+For each admission policy (default: none, fixed:1, fixed:7, sync_greedy, async_topk) a fresh
+stack is started (loadtest/stack.py), warmed up with one request, and driven by Locust (headless,
+a subprocess running loadtest/locustfile.py, users back to back so concurrency = users) at each
+level of a ladder of concurrent users. Per level it reads the locustfile's run summary (per-user
+speed, TTFT, tokens received) and the difference of the scheduler's /metrics counters (mean
+verification length). It writes to --out:
+
+- `frontier.csv`: one row per (policy, users) (loadtest/results.py says what each column means)
+- `frontier.png`: aggregate tokens/s against per-user tokens/s, one curve per policy
+- `verification_length.png`: mean drafts verified per request per round against users
+- `sla_throughput.csv`: the aggregate throughput each policy holds at each SLA level
+- `locust/`: Locust's own CSVs and logs per level; `logs/`: the services' logs per policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `dspark loadtest` runs from the installed console script
+    sys.path.insert(0, str(REPO_ROOT))
+
+from loadtest.prometheus import SpeculationDelta, counter_values  # noqa: E402
+from loadtest.results import LevelResult, sla_table, write_csv  # noqa: E402
+
+POLICIES = "none,fixed:1,fixed:7,sync_greedy,async_topk"
+USER_CLASSES = {"rest": "ChatStreamUser", "grpc": "GrpcGenerateUser"}
+
+
+def _numbers(kind):
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+        return values
+    return parse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policies", default=POLICIES, help="comma-separated admission policies")
+    parser.add_argument("--users", type=_numbers(int), default=[1, 2, 4, 8, 16],
+                        help="ladder of concurrent users, e.g. 1,2,4,8")
+    parser.add_argument("--duration-s", type=float, default=60.0, help="seconds per level")
+    parser.add_argument("--user-class", choices=sorted(USER_CLASSES), default="rest",
+                        help="REST SSE chat streams or gRPC Generate")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompt-chars", type=int, default=0,
+                        help="cut prompts to this many characters (0: whole; --tiny: 200)")
+    parser.add_argument("--eval-sets", default="", help="comma-separated (default: all)")
+    parser.add_argument("--sla", type=_numbers(float), default=[5.0, 10.0, 20.0],
+                        help="SLA levels, per-user tokens/s")
+    parser.add_argument("--sla-attainment", type=float, default=0.9,
+                        help="share of responses that must meet an SLA for a level to hold it")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny random target and untrained drafter (smoke runs, tests)")
+    parser.add_argument("--model-dir", default="", help="target (default: prepared SmolLM2)")
+    parser.add_argument("--drafter-dir", default="", help="drafter (default: the shipped one)")
+    parser.add_argument("--cost-table", default="", help="SPS(B) JSON for the verifier")
+    parser.add_argument("--extra-scheduler-args", default="", help="space-separated")
+    parser.add_argument("--out", default="", help="output folder (default: runs/loadtest-<time>)")
+
+
+def run_locust(stack, args: argparse.Namespace, model_name: str, users: int, prefix: Path
+               ) -> dict:
+    """One headless Locust run at `users` concurrent users; returns the locustfile's summary."""
+    summary_path = prefix.with_name(prefix.name + "_summary.json")
+    cmd = [sys.executable, "-m", "locust", "-f", str(REPO_ROOT / "loadtest" / "locustfile.py"),
+           "--headless", "--only-summary", "--loglevel", "WARNING", "-u", str(users),
+           "-r", str(users), "-t", f"{args.duration_s:g}s", "--stop-timeout", "0",
+           "--exit-code-on-error", "0", "--host", stack.rest_url,
+           "--grpc-target", stack.grpc_target, "--model", model_name,
+           "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature),
+           "--prompt-chars", str(args.prompt_chars), "--eval-sets", args.eval_sets,
+           "--sla-tokens-per-s", str(min(args.sla)), "--csv", str(prefix),
+           "--dspark-summary", str(summary_path), USER_CLASSES[args.user_class]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(prefix.with_name(prefix.name + "_locust.log"), "wb") as log:
+        subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                       timeout=args.duration_s + 120, check=True)
+    if not summary_path.is_file():
+        raise RuntimeError(f"locust wrote no summary; see {prefix}_locust.log")
+    return json.loads(summary_path.read_text())
+
+
+def sweep_policy(policy: str, models, args: argparse.Namespace, out: Path) -> list[LevelResult]:
+    from loadtest.stack import start_stack
+
+    safe = policy.replace(":", "-")
+    print(f"loadtest: starting the stack for policy {policy}", file=sys.stderr, flush=True)
+    stack = start_stack(models, policy, out / "logs" / safe,
+                        tuple(args.extra_scheduler_args.split()))
+    results = []
+    try:
+        stack.warm_up(models.model_name)
+        for users in args.users:
+            before = counter_values(stack.metrics_text())
+            summary = run_locust(stack, args, models.model_name, users,
+                                 out / "locust" / f"{safe}_u{users}")
+            delta = SpeculationDelta.between(before, counter_values(stack.metrics_text()))
+            result = LevelResult.from_run(policy, users, summary, delta, args.sla)
+            if result.responses == 0:
+                raise RuntimeError(
+                    f"policy {policy}, {users} users: no response completed in "
+                    f"{args.duration_s:g} s ({result.errors} errors, first: "
+                    f"{summary['first_errors'][:1]}); raise --duration-s or lower --max-tokens "
+                    f"(Locust log: {out / 'locust' / f'{safe}_u{users}_locust.log'})")
+            results.append(result)
+            print(f"loadtest: {policy:>12} users={users:<3} per-user "
+                  f"{result.per_user_tokens_per_s:7.1f} tok/s  aggregate "
+                  f"{result.aggregate_tokens_per_s:7.1f} tok/s  verification length "
+                  f"{result.mean_verification_length:.2f}", file=sys.stderr, flush=True)
+    finally:
+        stack.stop()
+    return results
+
+
+def choose_models(args: argparse.Namespace, out: Path):
+    from loadtest.stack import real_models, tiny_models
+
+    if args.tiny:
+        if args.prompt_chars == 0:
+            args.prompt_chars = 200  # the tiny target's context is short
+        return tiny_models(out / "tiny_models")
+    return real_models(args.model_dir, args.drafter_dir, args.cost_table)
+
+
+def write_outputs(results: list[LevelResult], args: argparse.Namespace, out: Path) -> None:
+    from loadtest.plots import plot_frontier, plot_verification_length
+
+    write_csv(out / "frontier.csv", [r.row() for r in results])
+    holds = sla_table(results, args.sla, args.sla_attainment)
+    write_csv(out / "sla_throughput.csv", [
+        {"policy": h.policy, "sla_tokens_per_s": h.sla_tokens_per_s,
+         "attainment": h.attainment, "aggregate_tokens_per_s": round(h.aggregate_tokens_per_s, 3),
+         "users": "" if h.users is None else h.users} for h in holds])
+    plot_frontier(results, out / "frontier.png")
+    plot_verification_length(results, out / "verification_length.png")
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies or args.duration_s <= 0 or args.max_tokens < 1 \
+            or not 0 < args.sla_attainment <= 1:
+        print("loadtest: need policies, --duration-s > 0, --max-tokens >= 1 and "
+              "0 < --sla-attainment <= 1", file=sys.stderr)
+        return 2
+    from dspark.admission import AdmissionPolicy
+
+    for p in policies:
+        try:
+            AdmissionPolicy.parse(p)
+        except ValueError as e:
+            print(f"loadtest: bad policy {p!r}: {e}", file=sys.stderr)
+            return 2
+    out = Path(args.out or REPO_ROOT / "runs" / time.strftime("loadtest-%Y%m%d-%H%M%S"))
+    (out / "locust").mkdir(parents=True, exist_ok=True)
+    models = choose_models(args, out)
+    results = []
+    try:
+        for policy in policies:
+            results += sweep_policy(policy, models, args, out)
+    except (RuntimeError, TimeoutError, subprocess.SubprocessError) as e:
+        print(f"loadtest: {e}", file=sys.stderr)
+        return 1
+    write_outputs(results, args, out)
+    print(f"loadtest: wrote {out}/frontier.csv, frontier.png, verification_length.png, "
+          f"sla_throughput.csv", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.sweep",
+                                     description=__doc__.split("\n")[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,8 @@ continuous batching) and with 1 (one request at a time).
 
 CI budget: the 8-concurrent runs cover all 30 prompts for every policy. One at a time, each policy
 runs its own 5 of the 30 prompts, so the six policies together cover all 30; set
-DSPARK_FULL_EXACTNESS=1 to run all 30 prompts one at a time under every policy (about 4x longer).
+DSPARK_FULL_EXACTNESS=1 to run all 30 prompts one at a time under every policy (six times
+the one-at-a-time runs; not timed here).
 Outputs stop at EOS on both sides, so they are compared including it.
 """
 

@@ -116,8 +116,9 @@ def has_confidence_head(drafter: AnyDrafter) -> bool:
 def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
                         apply_calibration: bool = False) -> AnyDrafter:
     """Load the drafter in `folder` onto the runner's device, sharing the runner's embedding and LM
-    head. With `apply_calibration`, the folder's STS temperatures (if any) are applied to the
-    confidences it returns; evaluation and calibration keep them raw (the default).
+    head, ready for inference (no autograd: see `FrozenTargetHead.pack_for_inference`). With
+    `apply_calibration`, the folder's STS temperatures (if any) are applied to the confidences it
+    returns; evaluation and calibration keep them raw (the default).
     """
     folder = Path(folder)
     config = DrafterConfig.load(folder)
@@ -138,4 +139,5 @@ def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
                 raise ValueError(f"{folder}: {CALIBRATION_FILENAME} has gamma={calibration.gamma}, "
                                  f"the drafter {drafter.gamma}")
             drafter.set_confidence_temperatures(calibration.temperatures)
+    drafter.pack_for_inference()  # float32 on a CPU: oneDNN-packed products (no-op elsewhere)
     return drafter

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
+from dspark.models.packed_linear import pack_linears, pack_weight, packed_linear, packing_available
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
 
 # Position given to padding slots of a gathered context: never < any anchor position, so masked.
@@ -647,6 +648,7 @@ class FrozenTargetHead(nn.Module):
         """The target's embedding [V, hidden] and LM head [V, hidden] (frozen, shared), and the
         draft vocabulary (ascending target ids [V_d]) when it is reduced."""
         cfg = self.config
+        self.packed_lm_head = None  # packed from the old weights, if packed: pack again
         assert embed_weight.shape == (cfg.vocab_size, cfg.hidden_size), embed_weight.shape
         assert lm_head_weight.shape == (cfg.vocab_size, cfg.hidden_size), lm_head_weight.shape
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
@@ -679,7 +681,20 @@ class FrozenTargetHead(nn.Module):
 
     def base_logits(self, hn: torch.Tensor) -> torch.Tensor:
         """U = lm_head(norm(h)): [..., hidden] -> [..., V_d] float32."""
+        packed = getattr(self, "packed_lm_head", None)
+        if packed is not None:
+            return packed_linear(hn, packed, None)
         return F.linear(hn, self.lm_head_weight).float()
+
+    def pack_for_inference(self) -> None:
+        """Multiply with oneDNN-packed weights from now on (float32 on a CPU; see
+        `dspark.models.packed_linear`): every nn.Linear, and the (draft-vocabulary) LM head.
+        Inference only; a no-op elsewhere. Call after `set_target_weights`."""
+        self._check_ready()
+        if not packing_available(self.lm_head_weight.device, self.lm_head_weight.dtype):
+            return
+        pack_linears(self)
+        self.packed_lm_head = pack_weight(self.lm_head_weight)
 
 
 class DSparkDrafter(FrozenTargetHead):

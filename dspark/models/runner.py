@@ -25,6 +25,7 @@ import torch
 from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import KVCacheFull, PagedKVCache, RequestId
 from dspark.models.loader import load_model, resolve_dtype
+from dspark.models.packed_linear import packing_available
 from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
 
 __all__ = ["RunnerConfig", "ForwardItem", "ForwardOutput", "TargetRunner", "KVCacheFull",
@@ -135,8 +136,7 @@ class TargetRunner:
         self.model = model if model is not None else load_model(model_dir, self.dtype, self.device)
         low_precision_cpu = self.device.type == "cpu" and self.dtype != torch.float32
         self.model.set_upcast_min_rows(config.cpu_upcast_min_rows if low_precision_cpu else None)
-        if (config.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.float32
-                and torch.backends.mkldnn.is_available()):
+        if config.cpu_packed_weights and packing_available(self.device, self.dtype):
             self.model.pack_linear_weights()
         mc = self.model_config
         bad = [i for i in config.hidden_layer_ids if not 0 <= i < mc.num_hidden_layers]

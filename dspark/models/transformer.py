@@ -42,6 +42,7 @@ from torch import nn
 
 from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import PagedKVCache
+from dspark.models.packed_linear import pack_weight, packed_linear
 
 
 class AttentionImpl(enum.Enum):
@@ -151,33 +152,20 @@ class Linear(nn.Module):
         """W reordered into oneDNN's blocked layout (see `pack`); None: not packed."""
 
     def pack(self, keep_dense: bool) -> None:
-        """Reorder W once into oneDNN's blocked layout and multiply with oneDNN from then on.
-
-        For float32 on CPU this is the fastest product we measured at every row count, and most
-        at the few rows a verification step has (SmolLM2's gate|up, 2 threads, microseconds):
-
-            rows                    1     2     4     8    16    64
-            F.linear (MKL)        169   340   524   513   707  1703
-            oneDNN packed         128   121   208   254   485  1596
-            LM head 576x49152    8264 18440 19386 18979 19620 39880  (F.linear)
-                                 4030  4100  5658  6275  9422 25852  (oneDNN packed)
-
-        `keep_dense=False` frees the dense weight (it is then unavailable); the LM head keeps it,
-        as the embedding and the drafter share it. Packing twice is a no-op.
-        """
+        """Multiply with a oneDNN-packed copy of W from now on (float32 on a CPU; see
+        `dspark.models.packed_linear` for the measurements). `keep_dense=False` frees the dense
+        weight; the LM head keeps it, as the embedding and the drafter share it. Packing twice
+        is a no-op."""
         if self.packed is not None:
             return
         w = self.weight.t() if self.transposed else self.weight  # [out_features, in_features]
-        # The layout is chosen for 16-row inputs; it serves 1..64 rows as well as a per-size layout.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 16)
+        self.packed = pack_weight(w)
         if not keep_dense:
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(
-                x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")  # [rows, out]
-            return y.view(*x.shape[:-1], y.shape[-1])
+            return packed_linear(x, self.packed, self.bias)
         w, b = self.weight, self.bias
         rows = x.numel() // x.shape[-1]
         if self.upcast_min_rows is not None and rows >= self.upcast_min_rows:

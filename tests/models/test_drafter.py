@@ -346,3 +346,27 @@ def test_config_validation():
         DrafterConfig.from_target_config(TARGET, target_layer_ids=[9])
     cfg = DrafterConfig.from_target_config(TARGET, target_layer_ids=[1], markov_head_type="none")
     assert cfg.markov_head_type == SequentialHead.NONE and cfg.confidence_input_size == HIDDEN
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN")
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_packed_for_inference_drafts_the_same_blocks(head):
+    """pack_for_inference (oneDNN products, float32 CPU) changes rounding only: same greedy
+    tokens, the same sampled tokens from the same seed, probabilities and confidences to 1e-5."""
+    draft_ids = torch.tensor([0, 2, 3, 5, 8, 13, 21, 22, 30, 34, 39])
+    models = [make_drafter(head, draft_ids=draft_ids, bias_std=3.0) for _ in range(2)]
+    models[1].pack_for_inference()
+    assert models[1].packed_lm_head is not None
+    ids, feats = sequence()
+    blocks = []
+    for model in models:
+        model.append_context("r", feats[0, :9], torch.arange(9))
+        requests = [DraftRequest("r", int(ids[0, 9]), 9, SamplingParams(0.0)),
+                    DraftRequest("r", int(ids[0, 9]), 9, SamplingParams(1.0),
+                                 torch.Generator().manual_seed(5))]
+        with torch.inference_mode():
+            blocks.append(model.draft(requests))
+    for plain, packed in zip(*blocks):
+        assert torch.equal(plain.tokens, packed.tokens)
+        torch.testing.assert_close(plain.dense(VOCAB), packed.dense(VOCAB), rtol=0, atol=1e-5)
+        torch.testing.assert_close(plain.confidences, packed.confidences, rtol=0, atol=1e-5)

@@ -9,9 +9,10 @@ thing the backbone learns), the right bias is the pointwise mutual information
 plus log P(b) itself. The best rank-(r-1) approximation of M (truncated SVD, M ~ U S V^T) splits
 into W1 = U S^1/2 (rows of the tokens seen as predecessors; all other rows 0) and W2 = V S^1/2,
 and the last rank dimension carries the unigram: W1[:, r-1] = 1, W2[:, r-1] = log P(b). So
-W1[a] W2^T ~ log P(b | a), and with the backbone's logits U_k held at 0 at first (the trainer
-zeroes the drafter's final-norm weight) the drafter starts as the smoothed bigram model of the
-answers, and the backbone then learns what the context adds. Zero-initialised, W1 W2^T
+W1[a] W2^T ~ log P(b | a), and with the backbone's logits U_k near 0 at first (the trainer
+scales the drafter's final-norm weight down, `trainer.BIGRAM_START_BACKBONE_SCALE`) the drafter
+starts close to the smoothed bigram model of the answers, and the backbone then learns what the
+context adds. Zero-initialised, W1 W2^T
 is a saddle that gradient descent leaves slowly; on this CPU a training run is only a few hundred
 steps, and a count-based bigram alone already reaches ~21% acceptance against the target's T=1
 distribution on our data (about twice what the zero-initialised head had reached after 60 steps).

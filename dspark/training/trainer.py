@@ -362,6 +362,14 @@ def build_drafter(cfg: TrainConfig, target_config: dict, mask_token_id: int,
     return DSparkDrafter(dcfg)
 
 
+BIGRAM_START_BACKBONE_SCALE = 0.05
+"""With markov_init=bigram the drafter's final-norm weight starts at this fraction of its value, so
+the backbone's logits U_k start near 0 and the drafter near the bigram model. Not at exactly 0: the
+norm weight multiplies every gradient that reaches the backbone, and at 0 the backbone gets none
+(Adam then moves only the norm weight, by about lr per step: the first shipped drafter's backbone
+barely trained in 300 steps, its per-position acceptance flat at the bigram level). Adam's update
+does not depend on a gradient's scale, so 5% still trains the backbone at the full rate."""
+
 _LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                   "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                   "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
@@ -438,8 +446,8 @@ class Trainer:
             init_markov_head_from_bigrams(
                 self.model.markov_head, [ex.prompt_ids[-1:] + ex.answer_ids for ex in self.examples],
                 t2d)
-            with torch.no_grad():  # U_k = 0 at first: the drafter starts as the bigram model
-                self.model.norm.weight.zero_()
+            with torch.no_grad():  # U_k ~ 0 at first: the drafter starts near the bigram model
+                self.model.norm.weight.mul_(BIGRAM_START_BACKBONE_SCALE)
         decay, no_decay = [], []
         for p in self.model.parameters():
             (decay if p.dim() >= 2 else no_decay).append(p)

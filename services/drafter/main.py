@@ -39,19 +39,30 @@ def build_servicer(config: DrafterServiceConfig, tracer):
                            config.idle_expiry_seconds)
 
 
-def serve(config: DrafterServiceConfig) -> int:
+def start(config: DrafterServiceConfig, tracer):
+    """Load the drafter and start serving (returns at once): (server, health, servicer, port).
+
+    `serve` below blocks on it until a signal; the Ray Serve replica (deploy/ray_serve.py) holds
+    it for the replica's lifetime."""
     from dspark.serving import grpc_runtime
     from dspark.serving.protos import rpc
-    from dspark.serving.tracing import setup_tracing
 
-    logger = grpc_runtime.service_logger("drafter")
-    tracing = setup_tracing("drafter", config)
-    servicer = build_servicer(config, tracing.tracer)
+    servicer = build_servicer(config, tracer)
     server, health = grpc_runtime.new_server()
     rpc.drafter.add_DrafterServicer_to_server(servicer, server)
     port = grpc_runtime.bind(server, config.host, config.port)
     server.start()
     grpc_runtime.set_serving(health, ["dspark.v1.Drafter"], True)
+    return server, health, servicer, port
+
+
+def serve(config: DrafterServiceConfig) -> int:
+    from dspark.serving import grpc_runtime
+    from dspark.serving.tracing import setup_tracing
+
+    logger = grpc_runtime.service_logger("drafter")
+    tracing = setup_tracing("drafter", config)
+    server, health, servicer, port = start(config, tracing.tracer)
     grpc_runtime.log_event(logger, "serving", address=f"{config.host}:{port}", drafter=servicer.name,
                            gamma=servicer.drafter.gamma, pid=os.getpid())
     grpc_runtime.wait_for_signal()

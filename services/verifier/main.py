@@ -52,19 +52,30 @@ def build_servicer(config: VerifierServiceConfig, tracer):
                             VerifierLimits(config.max_context_tokens, config.idle_expiry_seconds), model_dir.name, tracer)
 
 
-def serve(config: VerifierServiceConfig) -> int:
+def start(config: VerifierServiceConfig, tracer):
+    """Load the target and start serving (returns at once): (server, health, servicer, port).
+
+    `serve` below blocks on it until a signal; the Ray Serve replica (deploy/ray_serve.py) holds
+    it for the replica's lifetime."""
     from dspark.serving import grpc_runtime
     from dspark.serving.protos import rpc
-    from dspark.serving.tracing import setup_tracing
 
-    logger = grpc_runtime.service_logger("verifier")
-    tracing = setup_tracing("verifier", config)
-    servicer = build_servicer(config, tracing.tracer)
+    servicer = build_servicer(config, tracer)
     server, health = grpc_runtime.new_server()
     rpc.verifier.add_VerifierServicer_to_server(servicer, server)
     port = grpc_runtime.bind(server, config.host, config.port)
     server.start()
     grpc_runtime.set_serving(health, ["dspark.v1.Verifier"], True)
+    return server, health, servicer, port
+
+
+def serve(config: VerifierServiceConfig) -> int:
+    from dspark.serving import grpc_runtime
+    from dspark.serving.tracing import setup_tracing
+
+    logger = grpc_runtime.service_logger("verifier")
+    tracing = setup_tracing("verifier", config)
+    server, health, servicer, port = start(config, tracing.tracer)
     grpc_runtime.log_event(logger, "serving", address=f"{config.host}:{port}",
                            model=servicer.name, pid=os.getpid(),
                            hidden_layer_ids=list(servicer.verifier.runner.config.hidden_layer_ids))

@@ -1,0 +1,444 @@
+"""DSpark Serve as a Ray Serve application: cells of (verifier, drafter, scheduler) behind one
+ingress.
+
+    python deploy/ray_serve.py --cells 2 [--address auto] [--http-port 8000] [--verifier-gpus 0.5]
+
+Glossary:
+- **cell**: one verifier, its drafter and its scheduler, all three on one node and wired to each
+  other by loopback addresses. It is the unit that scales out: `--cells N` deploys N of them.
+- **replica**: each service of a cell is a Ray Serve deployment with one replica
+  (`cell<i>-verifier`, `cell<i>-drafter`, `cell<i>-scheduler`) that runs the *real* service in
+  its own process: the gRPC verifier / drafter servers (`services.<name>.main.start`) and the
+  scheduler's engine loop, REST and gRPC servers (`services.scheduler.main.start`).
+- **ingress**: the HTTP deployment clients talk to (Ray Serve's proxy, `--http-host`/
+  `--http-port`). It forwards each OpenAI-style request to the least-loaded cell's scheduler
+  through a DeploymentHandle (ties: round-robin) and returns its response; streamed (SSE)
+  responses are streamed through. `GET /cells` lists the cells and their addresses.
+
+Resources: every replica reserves `--service-cpus` logical CPUs; the verifier and drafter reserve
+`--verifier-gpus` / `--drafter-gpus` GPUs (default: 0.5 each when the cluster has GPUs, so one
+cell shares one GPU; 0 on a CPU-only cluster) and then run on `cuda`. A cell is pinned to one node
+through Ray's per-node resource `node:<ip>`; cells are spread round-robin over the nodes that have
+GPUs (every alive node when no GPU is asked for). Nothing of a cell listens beyond loopback: the
+ingress reaches a cell through Ray, the scheduler its verifier and drafter over 127.0.0.1.
+Multi-node set-up: deploy/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ray import serve
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `python deploy/ray_serve.py` from anywhere
+    sys.path.insert(0, str(REPO_ROOT))
+
+from dspark.serving.config import (  # noqa: E402
+    DrafterServiceConfig,
+    SchedulerConfig,
+    VerifierServiceConfig,
+    add_arguments,
+    from_args,
+)
+
+ENV_PREFIX = "DSPARK_RAY"
+APP_NAME = "dspark"
+# The headers a client's request keeps on its way to a cell's scheduler (auth, body type).
+FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+# Generous: a request's whole generation happens inside one forwarded call.
+FORWARD_TIMEOUT_SECONDS = 3600.0
+
+
+def _field(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class RayServeConfig:
+    """The Ray Serve application: how many cells, what each service loads, what it reserves."""
+
+    cells: int = _field(1, "cells to deploy (verifier + drafter + scheduler each)")
+    address: str = _field("", "Ray cluster to join ('auto' = the one `ray start` made on this "
+                              "node); empty = start a local Ray")
+    num_cpus: int = _field(0, "logical CPUs of a local Ray (0 = all cores; ignored with --address)")
+    http_host: str = _field("127.0.0.1", "where Ray Serve's HTTP proxy listens (0.0.0.0 to "
+                                         "serve other machines)")
+    http_port: int = _field(8000, "Ray Serve's HTTP port (the ingress)")
+    model_dir: str = _field("", "target model folder (default: the prepared SmolLM2); must exist "
+                                "at the same path on every node")
+    drafter_dir: str = _field("", "drafter checkpoint (default: the shipped one); 'none' = target "
+                                  "only")
+    cost_table: str = _field("", "SPS(B) table JSON for the verifiers; default: measured at start")
+    model_name: str = _field("dspark", "the model name clients send")
+    policy: str = _field("async_topk", "async_topk | sync_greedy | none | fixed:N | threshold:H")
+    dtype: str = _field("float32", "float32 | bfloat16 (verifier and drafter)")
+    kv_cache_tokens: int = _field(65536, "each verifier's KV cache capacity in tokens")
+    max_context_tokens: int = _field(4096, "longest prompt + output of one request")
+    max_tokens_limit: int = _field(2048, "largest max_tokens a client may ask for")
+    max_running: int = _field(16, "requests verified together in one round (per cell)")
+    update_cost_table: bool = _field(True, "schedulers refresh SPS(B) from measured steps")
+    api_keys: str = _field("", "comma-separated accepted Bearer keys; empty = no auth")
+    redis_url: str = _field("", "redis://host:port/db for request state; empty = in memory")
+    redis_prefix: str = _field("dspark:", "key prefix; cell i writes under <prefix>cell<i>: "
+                                          "(one scheduler per prefix)")
+    service_cpus: float = _field(1.0, "logical CPUs each service replica reserves")
+    verifier_gpus: float = _field(-1.0, "GPUs each verifier reserves (-1 = 0.5 when the cluster "
+                                        "has GPUs, else 0); > 0 runs it on cuda")
+    drafter_gpus: float = _field(-1.0, "GPUs each drafter reserves (-1 = as --verifier-gpus)")
+    threads: int = _field(1, "torch CPU threads of each verifier and drafter")
+
+    def __post_init__(self) -> None:
+        if self.cells < 1:
+            raise ValueError(f"cells must be >= 1, got {self.cells}")
+        if self.service_cpus <= 0:
+            raise ValueError("service_cpus must be > 0")
+        if self.num_cpus < 0 or self.threads < 1:
+            raise ValueError("num_cpus must be >= 0, threads >= 1")
+        # The service configs validate the rest (policy, ports, sizes) when they are built.
+        self.cell_configs()
+
+    def gpus(self, cluster_gpus: float) -> tuple[float, float]:
+        """(verifier GPUs, drafter GPUs) per cell, resolving -1 against the cluster."""
+        verifier = self.verifier_gpus if self.verifier_gpus >= 0 else (0.5 if cluster_gpus else 0)
+        drafter = self.drafter_gpus if self.drafter_gpus >= 0 else verifier
+        return verifier, drafter
+
+    def cell_configs(self, verifier_gpus: float = 0.0, drafter_gpus: float = 0.0
+                     ) -> tuple[VerifierServiceConfig, DrafterServiceConfig, SchedulerConfig]:
+        """The three services' configs of one cell; ports 0 = any free one on loopback (the
+        scheduler's verifier and drafter addresses are filled in by its replica)."""
+        drafter_dir = "" if self.drafter_dir == "none" else self.drafter_dir
+        verifier = VerifierServiceConfig(
+            host="127.0.0.1", port=0, model_dir=self.model_dir, drafter_dir=drafter_dir,
+            hidden_layer_ids="none" if self.drafter_dir == "none" else "", dtype=self.dtype,
+            device="cuda" if verifier_gpus > 0 else "cpu", kv_cache_tokens=self.kv_cache_tokens,
+            max_context_tokens=self.max_context_tokens, cost_table=self.cost_table,
+            threads=self.threads)
+        drafter = DrafterServiceConfig(
+            host="127.0.0.1", port=0, model_dir=self.model_dir, drafter_dir=drafter_dir,
+            dtype=self.dtype, device="cuda" if drafter_gpus > 0 else "cpu", threads=self.threads)
+        scheduler = SchedulerConfig(
+            host="127.0.0.1", http_port=0, grpc_port=0, model_dir=self.model_dir,
+            model_name=self.model_name, policy=self.policy, max_running=self.max_running,
+            max_tokens_limit=self.max_tokens_limit, update_cost_table=self.update_cost_table,
+            api_keys=self.api_keys, redis_url=self.redis_url, drafter="")
+        return verifier, drafter, scheduler
+
+    @property
+    def with_drafter(self) -> bool:
+        return self.drafter_dir != "none"
+
+
+# ------------------------------------------------------------------------------------------------
+# The deployments
+
+
+class _GrpcServiceReplica:
+    """A verifier or drafter replica: the real gRPC service, started in this replica's process."""
+
+    service = ""
+    """"verifier" or "drafter": the module services.<service>.main that is started."""
+    grpc_service = ""
+    """Its gRPC service name, for the health status."""
+
+    def __init__(self, config) -> None:
+        import importlib
+        import os
+
+        from dspark.serving import grpc_runtime
+        from dspark.serving.tracing import setup_tracing
+
+        main = importlib.import_module(f"services.{self.service}.main")
+        self.config = config
+        self.logger = grpc_runtime.service_logger(self.service)
+        self.tracing = setup_tracing(self.service, config)
+        self.server, self.health, self.servicer, port = main.start(config, self.tracing.tracer)
+        self.address = f"{config.host}:{port}"
+        grpc_runtime.log_event(self.logger, "serving", address=self.address, pid=os.getpid(),
+                               runtime="ray-serve")
+
+    def get_address(self) -> str:
+        return self.address
+
+    def __del__(self) -> None:  # Ray Serve calls this when the replica is shut down
+        from dspark.serving import grpc_runtime
+
+        server = getattr(self, "server", None)
+        if server is not None:
+            self.server = None  # drain once
+            grpc_runtime.drain(server, self.health, [self.grpc_service],
+                               self.config.grace_seconds, self.logger)
+            self.tracing.shutdown()
+
+
+@serve.deployment
+class VerifierReplica(_GrpcServiceReplica):
+    service = "verifier"
+    grpc_service = "dspark.v1.Verifier"
+
+
+@serve.deployment
+class DrafterReplica(_GrpcServiceReplica):
+    service = "drafter"
+    grpc_service = "dspark.v1.Drafter"
+
+
+@serve.deployment
+class SchedulerReplica:
+    """A cell's scheduler: the real engine loop over its verifier and drafter, with its REST and
+    gRPC servers on loopback. `forward` replays an ingress request against that REST server."""
+
+    async def __init__(self, cell: int, verifier, drafter, config: SchedulerConfig) -> None:
+        import torch
+
+        from services.scheduler.main import start
+
+        torch.set_num_threads(1)  # the scheduler only routes tensors; the model work is elsewhere
+        self.cell = cell
+        self.verifier_address = await verifier.get_address.remote()
+        drafter_address = await drafter.get_address.remote() if drafter is not None else ""
+        config = dataclasses.replace(config, verifier=self.verifier_address,
+                                     drafter=drafter_address)
+        self.scheduler = await asyncio.to_thread(start, config)
+        self.base_url = f"http://{config.host}:{self.scheduler.http_port}"
+        self._session = None
+
+    def info(self) -> dict:
+        return {"cell": self.cell, "verifier": self.verifier_address,
+                "drafter": self.scheduler.config.drafter or None,
+                "http": self.base_url,
+                "grpc": f"{self.scheduler.config.host}:{self.scheduler.grpc_port}",
+                "running": self.scheduler.loop.num_running()}
+
+    async def _request(self, method: str, path: str, headers: dict, body: bytes):
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_SECONDS))
+        return await self._session.request(method, self.base_url + path, headers=headers,
+                                           data=body)
+
+    async def forward(self, method: str, path: str, headers: dict, body: bytes
+                      ) -> tuple[int, str, bytes]:
+        """(status, content type, body) of the request against this cell's REST API."""
+        async with await self._request(method, path, headers, body) as reply:
+            return reply.status, reply.headers.get("Content-Type", ""), await reply.read()
+
+    async def forward_stream(self, method: str, path: str, headers: dict, body: bytes):
+        """Yields (status, content type) first, then the body's bytes as they arrive (SSE)."""
+        async with await self._request(method, path, headers, body) as reply:
+            yield reply.status, reply.headers.get("Content-Type", "")
+            async for chunk in reply.content.iter_any():
+                yield chunk
+
+    def __del__(self) -> None:  # Ray Serve calls this when the replica is shut down
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            self.scheduler = None
+            scheduler.stop()  # drains in-flight requests, closes REST, gRPC and the proxies
+
+
+@serve.deployment
+class Ingress:
+    """HTTP entry: each request goes to the cell with the fewest requests in flight here."""
+
+    def __init__(self, *cells) -> None:
+        self.cells = list(cells)
+        self.in_flight = [0] * len(cells)
+        self.next_cell = 0  # round-robin among equally loaded cells
+
+    def _pick(self) -> int:
+        n = len(self.cells)
+        order = [(self.next_cell + k) % n for k in range(n)]
+        cell = min(order, key=lambda i: self.in_flight[i])
+        self.next_cell = (cell + 1) % n
+        return cell
+
+    async def _owner(self, path: str, headers: dict) -> int:
+        """The cell whose store holds request `/v1/requests/{id}[/resume]` (each cell's scheduler
+        keeps its own requests): the first that does not answer 404; cell 0 when none does
+        (it then answers the 404 itself)."""
+        request_path = path.removesuffix("/resume")
+        for cell, handle in enumerate(self.cells):
+            status, _, _ = await handle.forward.remote("GET", request_path, headers, b"")
+            if status != 404:
+                return cell
+        return 0
+
+    async def __call__(self, request):
+        import json
+
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        if request.method == "GET" and request.url.path == "/cells":
+            return JSONResponse({"cells": [await c.info.remote() for c in self.cells]})
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        streaming = False
+        if request.method == "POST" and body:
+            try:
+                parsed = json.loads(body)
+                streaming = isinstance(parsed, dict) and parsed.get("stream") is True
+            except ValueError:
+                pass  # the scheduler answers invalid JSON with its own 400
+        if request.url.path.startswith("/v1/requests/"):
+            cell = await self._owner(request.url.path, headers)
+        else:
+            cell = self._pick()
+        routed = {"x-dspark-cell": str(cell)}
+        self.in_flight[cell] += 1
+        if not streaming:
+            try:
+                status, content_type, data = await self.cells[cell].forward.remote(
+                    request.method, path, headers, body)
+            finally:
+                self.in_flight[cell] -= 1
+            return Response(data, status_code=status, media_type=content_type or None,
+                            headers=routed)
+        chunks = self.cells[cell].options(stream=True).forward_stream.remote(
+            request.method, path, headers, body)
+        try:
+            status, content_type = await chunks.__anext__()
+        except BaseException:
+            self.in_flight[cell] -= 1
+            raise
+
+        async def relay():
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                self.in_flight[cell] -= 1
+
+        return StreamingResponse(relay(), status_code=status, media_type=content_type or None,
+                                 headers=routed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Building and running the application
+
+
+def cell_nodes(cells: int, need_gpu: bool) -> list[str]:
+    """The node IP each cell is pinned to: round-robin over alive nodes (with GPUs if needed)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"]
+             and (not need_gpu or n["Resources"].get("GPU", 0) > 0)]
+    if not nodes:
+        raise SystemExit("no alive Ray node" + (" with a GPU" if need_gpu else ""))
+    ips = sorted(n["NodeManagerAddress"] for n in nodes)
+    return [ips[i % len(ips)] for i in range(cells)]
+
+
+def build_app(config: RayServeConfig):
+    """The application graph: `cells` x (verifier, drafter, scheduler) and the ingress over them.
+    Needs a connected Ray (to see its nodes and GPUs)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    verifier_gpus, drafter_gpus = config.gpus(resources.get("GPU", 0))
+    services = 3 if config.with_drafter else 2
+    need = {"CPU": config.cells * services * config.service_cpus,
+            "GPU": config.cells * (verifier_gpus + (drafter_gpus if config.with_drafter else 0))}
+    short = {k: (v, resources.get(k, 0)) for k, v in need.items() if v > resources.get(k, 0) + 1e-9}
+    if short:  # Serve would wait for them forever
+        raise ValueError("the Ray cluster is too small for this deployment: " + ", ".join(
+            f"{k} {want:g} needed, {have:g} there" for k, (want, have) in short.items())
+            + " (fewer --cells, smaller --service-cpus / --verifier-gpus / --drafter-gpus, or "
+              "more nodes)")
+    verifier_cfg, drafter_cfg, scheduler_cfg = config.cell_configs(verifier_gpus, drafter_gpus)
+    nodes = cell_nodes(config.cells, verifier_gpus > 0 or drafter_gpus > 0)
+    schedulers = []
+    for i, ip in enumerate(nodes):
+        # A sliver of the node's own resource pins every replica of the cell to that node.
+        pin = {f"node:{ip}": 0.001}
+        verifier = VerifierReplica.options(
+            name=f"cell{i}-verifier", num_replicas=1,
+            ray_actor_options={"num_cpus": config.service_cpus, "num_gpus": verifier_gpus,
+                               "resources": pin}).bind(verifier_cfg)
+        drafter = None
+        if config.with_drafter:
+            drafter = DrafterReplica.options(
+                name=f"cell{i}-drafter", num_replicas=1,
+                ray_actor_options={"num_cpus": config.service_cpus, "num_gpus": drafter_gpus,
+                                   "resources": pin}).bind(drafter_cfg)
+        schedulers.append(SchedulerReplica.options(
+            name=f"cell{i}-scheduler", num_replicas=1,
+            # Requests wait in the engine loop, not in Ray's queue: let them all through.
+            max_ongoing_requests=10_000,
+            ray_actor_options={"num_cpus": config.service_cpus, "resources": pin}
+        ).bind(i, verifier, drafter,
+               dataclasses.replace(scheduler_cfg, redis_prefix=f"{config.redis_prefix}cell{i}:")))
+    return Ingress.options(name="ingress", max_ongoing_requests=10_000,
+                           ray_actor_options={"num_cpus": 0}).bind(*schedulers)
+
+
+def deploy(config: RayServeConfig) -> str:
+    """Deploy on the connected Ray (starting Serve's HTTP proxy); returns the ingress URL once
+    every cell is ready."""
+    import ray
+
+    # The deployment classes live in this file, which Ray's workers cannot import by name: ship
+    # them by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    app = build_app(config)
+    serve.start(http_options={"host": config.http_host, "port": config.http_port})
+    # Returns once every replica's constructor has finished (services loaded and serving);
+    # raises if one failed.
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    host = "127.0.0.1" if config.http_host in ("0.0.0.0", "::") else config.http_host
+    return f"http://{host}:{config.http_port}"
+
+
+def shutdown() -> None:
+    """Take the application down (each replica's services drain and close) and leave Ray."""
+    import ray
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+def parse_args(argv: list[str] | None = None) -> RayServeConfig:
+    parser = argparse.ArgumentParser(
+        prog="python deploy/ray_serve.py",
+        description="DSpark Serve on Ray Serve: N cells (verifier + drafter + scheduler) behind "
+                    "one HTTP ingress")
+    add_arguments(parser, RayServeConfig, ENV_PREFIX)
+    args = parser.parse_args(argv)
+    try:
+        return from_args(RayServeConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    from dspark.serving.grpc_runtime import wait_for_signal
+
+    config = parse_args(argv)
+    if config.address:
+        ray.init(address=config.address)
+    else:
+        ray.init(num_cpus=config.num_cpus or None, include_dashboard=False)
+    try:
+        url = deploy(config)
+        print(f"DSpark Serve on Ray Serve: {config.cells} cell(s), ingress {url} "
+              f"(POST {url}/v1/chat/completions, GET {url}/cells); Ctrl-C stops it", flush=True)
+        wait_for_signal()
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

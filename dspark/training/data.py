@@ -128,14 +128,41 @@ def _open(path: Path, mode: str):
 
 
 def read_records(path: Path) -> Iterator[dict]:
-    """The records of a generated data file (plain or gzipped jsonl)."""
+    """The records of a generated data file (plain or gzipped jsonl).
+
+    A file whose writer was killed ends in a cut-off gzip stream or line: the records before the
+    cut are read and the rest is dropped (`repair_data_file` rewrites such a file cleanly)."""
     if not Path(path).exists():
         return
     with _open(Path(path), "r") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                yield json.loads(line)
+        try:
+            for line in f:
+                if not line.endswith("\n"):
+                    return  # the writer stopped mid-line
+                line = line.strip()
+                if line:
+                    yield json.loads(line)
+        except EOFError:  # gzip stream cut off
+            return
+
+
+def repair_data_file(path: Path) -> bool:
+    """Rewrite a data file that `read_records` reads only in part (see there), keeping every
+    complete record; returns whether it was cut off."""
+    if not Path(path).exists():
+        return False
+    try:
+        with _open(Path(path), "r") as f:
+            text = f.read()
+        if text == "" or text.endswith("\n"):
+            return False
+    except EOFError:
+        pass
+    records = list(read_records(path))
+    with _open(Path(path), "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return True
 
 
 def generate_answers(runner, prompts: list[tuple[str, list[int]]], *, max_new_tokens: int,
@@ -184,6 +211,8 @@ def run_generation(config: DataGenConfig) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
     prompts = select_prompts(config.train_dir, config.num_prompts, config.seed)
+    if repair_data_file(config.out):  # a killed run: appending after the cut would hide the rest
+        print(f"{config.out}: an earlier run was cut off; kept its complete records", flush=True)
     done = {r["id"] for r in read_records(config.out)}
     todo = [p for p in prompts if p.id not in done]
     by_id = {p.id: p for p in todo}

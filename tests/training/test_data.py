@@ -14,6 +14,7 @@ from dspark.training.data import (
     MATH_SUFFIX,
     generate_answers,
     read_records,
+    repair_data_file,
     select_prompts,
     split_of,
     summarize,
@@ -101,3 +102,29 @@ def test_records_round_trip_gzip_and_summary(tmp_path):
     stats = summarize(path)
     assert stats["answers"] == 2 and stats["answer_tokens"] == 3 and stats["prompt_tokens"] == 3
     assert stats["by_split"]["heldout"] == {"answers": 1, "answer_tokens": 2}
+
+
+def test_a_cut_off_file_reads_up_to_the_cut_and_is_repaired(tmp_path):
+    """A generator killed mid-write leaves a truncated gzip member (or a half line): the complete
+    records before it still read, and repair_data_file makes the file whole again for appending."""
+    path = tmp_path / "d.jsonl.gz"
+    rows = [{"id": k, "answer_ids": [i]} for i, k in enumerate("abc")]
+    for row in rows[:2]:
+        with gzip.open(path, "at") as f:
+            f.write(json.dumps(row) + "\n")
+    member = gzip.compress((json.dumps(rows[2]) + "\n").encode())
+    with open(path, "ab") as f:
+        f.write(member[:len(member) // 2])  # the third member, cut off
+    with pytest.raises(EOFError):
+        with gzip.open(path, "rt") as f:
+            f.read()
+    assert list(read_records(path)) == rows[:2]
+    assert repair_data_file(path) is True
+    with gzip.open(path, "at") as f:
+        f.write(json.dumps(rows[2]) + "\n")
+    assert list(read_records(path)) == rows
+    assert repair_data_file(path) is False
+    plain = tmp_path / "d.jsonl"
+    plain.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:10])
+    assert list(read_records(plain)) == rows[:1]
+    assert repair_data_file(plain) is True and plain.read_text() == json.dumps(rows[0]) + "\n"

@@ -41,6 +41,9 @@ def _spec_metrics(chunk: Chunk) -> dict[str, Any] | None:
 class RestServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128
+    """Listen backlog. socketserver's default of 5 is too small when many clients connect at once,
+    e.g. a load test starting 16 users."""
 
     def __init__(self, address: tuple[str, int], gateway: Gateway, api_keys: frozenset[str],
                  render_metrics: Callable[[], str], health: Callable[[], dict]) -> None:

@@ -92,6 +92,18 @@ def set_serving(health_servicer: health.HealthServicer, services: list[str], ser
         health_servicer.set(name, status)
 
 
+def start_server(servicer, add_to_server, service_name: str, host: str, port: int
+                 ) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """A started server with `servicer` (added by its generated `add_..._to_server`) and the health
+    service marking `service_name` SERVING; returns (server, health, bound port)."""
+    server, health_servicer = new_server()
+    add_to_server(servicer, server)
+    bound = bind(server, host, port)
+    server.start()
+    set_serving(health_servicer, [service_name], True)
+    return server, health_servicer, bound
+
+
 def wait_for_signal() -> None:
     """Block the main thread until SIGTERM or SIGINT."""
     stop = threading.Event()

@@ -48,11 +48,8 @@ def start(config: DrafterServiceConfig, tracer):
     from dspark.serving.protos import rpc
 
     servicer = build_servicer(config, tracer)
-    server, health = grpc_runtime.new_server()
-    rpc.drafter.add_DrafterServicer_to_server(servicer, server)
-    port = grpc_runtime.bind(server, config.host, config.port)
-    server.start()
-    grpc_runtime.set_serving(health, ["dspark.v1.Drafter"], True)
+    server, health, port = grpc_runtime.start_server(
+        servicer, rpc.drafter.add_DrafterServicer_to_server, "dspark.v1.Drafter", config.host, config.port)
     return server, health, servicer, port
 
 

@@ -61,11 +61,8 @@ def start(config: VerifierServiceConfig, tracer):
     from dspark.serving.protos import rpc
 
     servicer = build_servicer(config, tracer)
-    server, health = grpc_runtime.new_server()
-    rpc.verifier.add_VerifierServicer_to_server(servicer, server)
-    port = grpc_runtime.bind(server, config.host, config.port)
-    server.start()
-    grpc_runtime.set_serving(health, ["dspark.v1.Verifier"], True)
+    server, health, port = grpc_runtime.start_server(
+        servicer, rpc.verifier.add_VerifierServicer_to_server, "dspark.v1.Verifier", config.host, config.port)
     return server, health, servicer, port
 
 

@@ -371,13 +371,18 @@ class RequestContext:
 
     Slots past `length` are scratch space: drafting writes the block's own keys/values there so
     that attention reads [context; block] straight from this buffer, without copying the context.
+    With `hidden_size` > 0 it also keeps each context token's fused state H_ctx [capacity, hidden]
+    (for `DrafterConfig.inject_last_context`).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, capacity: int = 64) -> None:
+                 dtype: torch.dtype, device: torch.device, capacity: int = 64,
+                 hidden_size: int = 0) -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.hidden = torch.empty(capacity if hidden_size else 0, hidden_size, dtype=dtype,
+                                  device=device)
         self.positions = torch.empty(capacity, dtype=torch.int64, device=device)
         self.length = 0
         self.max_position = -1
@@ -395,15 +400,24 @@ class RequestContext:
         pos = self.positions.new_empty(cap)
         pos[: self.length] = self.positions[: self.length]
         self.positions = pos
+        if self.hidden.shape[0]:
+            hidden = self.hidden.new_empty(cap, self.hidden.shape[1])
+            hidden[: self.length] = self.hidden[: self.length]
+            self.hidden = hidden
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """keys/values [num_layers, num_kv_heads, n, head_dim], positions [n]."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               hidden: torch.Tensor | None = None) -> None:
+        """keys/values [num_layers, num_kv_heads, n, head_dim], positions [n], hidden [n, hidden]
+        (required iff the context keeps fused states)."""
         n = keys.shape[2]
         need = self.length + n
+        assert (hidden is not None) == bool(self.hidden.shape[1]), "fused states: all or none"
         self.reserve(need)
         self.keys[:, :, self.length: need] = keys
         self.values[:, :, self.length: need] = values
         self.positions[self.length: need] = positions
+        if hidden is not None:
+            self.hidden[self.length: need] = hidden
         self.length = need
         if n:
             self.max_position = max(self.max_position, int(positions.max()))
@@ -417,6 +431,22 @@ class RequestContext:
                           device=self.positions.device)
         mask[:, : self.length] = self.positions[: self.length] < anchor_position
         return mask
+
+    def last_hidden(self, anchor_position: int) -> torch.Tensor | None:
+        """The fused state [hidden] of the latest context position before `anchor_position`
+        (the most recently appended one if a position occurs twice), or None if there is none."""
+        if self.length == 0:
+            return None
+        positions = self.positions[: self.length]
+        if self.max_position < anchor_position:
+            best = self.max_position
+        else:
+            before = positions[positions < anchor_position]
+            if before.numel() == 0:
+                return None
+            best = int(before.max())
+        index = int((positions == best).nonzero()[-1])
+        return self.hidden[index]
 
 
 class ContextKVCache:
@@ -436,13 +466,14 @@ class ContextKVCache:
         return 0 if ctx is None else ctx.length
 
     def append(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor,
-               positions: torch.Tensor) -> None:
+               positions: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         ctx = self._requests.get(request_id)
         if ctx is None:
             ctx = RequestContext(keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype,
-                                 keys.device, capacity=max(64, keys.shape[2]))
+                                 keys.device, capacity=max(64, keys.shape[2]),
+                                 hidden_size=0 if hidden is None else hidden.shape[-1])
             self._requests[request_id] = ctx
-        ctx.append(keys, values, positions)
+        ctx.append(keys, values, positions, hidden)
 
     def release(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
@@ -763,10 +794,17 @@ class DSparkDrafter(FrozenTargetHead):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, L, m * hidden], positions [B, L] -> keys, values
         [num_layers, B, num_kv_heads, L, head_dim]."""
+        keys, values, _ = self.context_states(features, positions)
+        return keys, values
+
+    def context_states(self, features: torch.Tensor, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """features [B, L, m * hidden], positions [B, L] -> keys, values
+        [num_layers, B, num_kv_heads, L, head_dim] and H_ctx [B, L, hidden]."""
         h_ctx = self.fuse_context(features)  # [B, L, hidden]
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h_ctx.dtype)
         ks, vs = zip(*(layer.self_attn.project_kv(h_ctx, cos, sin) for layer in self.layers))
-        return torch.stack(ks), torch.stack(vs)
+        return torch.stack(ks), torch.stack(vs), h_ctx
 
     def backbone(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                  ctx_keys: torch.Tensor, ctx_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -801,12 +839,18 @@ class DSparkDrafter(FrozenTargetHead):
         assert labels.shape == (B, N, gamma), labels.shape
         device = input_ids.device
         positions = torch.arange(T, device=device).expand(B, T)
-        ctx_k, ctx_v = self.context_kv(features, positions)
+        ctx_k, ctx_v, h_ctx = self.context_states(features, positions)
         anchor_tokens = input_ids.gather(1, anchors)  # [B, N]
         block_ids = torch.full((B, N, gamma), self.config.mask_token_id, dtype=torch.int64,
                                device=device)
         block_ids[:, :, 0] = anchor_tokens
         embeds = F.embedding(block_ids.view(B, N * gamma), self.embed_weight)  # [B, N*gamma, hidden]
+        if self.config.inject_last_context:
+            last = h_ctx.gather(1, (anchors - 1).clamp(min=0).unsqueeze(-1).expand(
+                B, N, h_ctx.shape[-1]))  # [B, N, hidden]: H_ctx at a - 1
+            last = last * (anchors > 0).unsqueeze(-1).to(last.dtype)  # no context before a = 0
+            embeds = (embeds.view(B, N, gamma, -1).to(last.dtype) + last.unsqueeze(2)
+                      ).view(B, N * gamma, -1)
         offsets = torch.arange(gamma, device=device)
         block_pos = (anchors.unsqueeze(-1) + offsets).view(B, N * gamma)
         mask = training_mask(anchors, T, gamma)  # [B, N*gamma, T + N*gamma]
@@ -831,15 +875,28 @@ class DSparkDrafter(FrozenTargetHead):
             return
         device = self.fc.weight.device
         with torch.no_grad():
-            keys, values = self.context_kv(features.to(device).unsqueeze(0),
-                                           positions.to(device=device, dtype=torch.int64).unsqueeze(0))
-        self._cache.append(request_id, keys[:, 0], values[:, 0], positions.to(device))
+            keys, values, h_ctx = self.context_states(
+                features.to(device).unsqueeze(0),
+                positions.to(device=device, dtype=torch.int64).unsqueeze(0))
+        hidden = h_ctx[0] if self.config.inject_last_context else None  # [n, hidden]
+        self._cache.append(request_id, keys[:, 0], values[:, 0], positions.to(device), hidden)
 
     def release(self, request_id: Hashable) -> None:
         self._cache.release(request_id)
 
     def context_length(self, request_id: Hashable) -> int:
         return self._cache.length(request_id)
+
+    def _last_context_states(self, contexts: Sequence[RequestContext],
+                             requests: Sequence[DraftRequest]) -> torch.Tensor:
+        """H_ctx at each request's last context position before its anchor: [R, hidden]
+        (zeros where there is none, as in training at anchor 0)."""
+        rows = []
+        for ctx, req in zip(contexts, requests):
+            row = ctx.last_hidden(req.anchor_position)
+            rows.append(row if row is not None else
+                        self.embed_weight.new_zeros(self.config.hidden_size))
+        return torch.stack(rows)
 
     @torch.no_grad()
     def draft(self, requests: Sequence[DraftRequest],
@@ -859,7 +916,8 @@ class DSparkDrafter(FrozenTargetHead):
         contexts = []
         for r in requests:  # a request with no context yet gets an empty, unstored one
             ctx = self._cache.get(r.request_id) or RequestContext(
-                len(self.layers), cfg.num_key_value_heads, cfg.head_dim, dtype, device, gamma)
+                len(self.layers), cfg.num_key_value_heads, cfg.head_dim, dtype, device, gamma,
+                cfg.hidden_size if cfg.inject_last_context else 0)
             ctx.reserve(ctx.length + gamma)
             contexts.append(ctx)
         masks = [c.visibility(r.anchor_position, gamma) for c, r in zip(contexts, requests)]
@@ -870,6 +928,8 @@ class DSparkDrafter(FrozenTargetHead):
         block_ids[:, 0] = anchor_tok
         block_pos = anchor_pos.unsqueeze(1) + torch.arange(gamma, device=device)  # [R, gamma]
         x = F.embedding(block_ids, self.embed_weight)  # [R, gamma, hidden]
+        if cfg.inject_last_context:
+            x = x + self._last_context_states(contexts, requests).unsqueeze(1)
         cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward_cached(x, cos, sin, contexts, i, masks)

@@ -60,7 +60,7 @@ _OWN_KEYS = (
     "rope_scaling", "vocab_size", "num_hidden_layers", "block_size", "mask_token_id",
     "target_layer_ids", "num_target_layers", "markov_rank", "markov_head_type",
     "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size", "attention_bias",
-    "hidden_act", "num_anchors", "layer_types", "tie_word_embeddings",
+    "hidden_act", "num_anchors", "layer_types", "tie_word_embeddings", "inject_last_context",
 )
 
 
@@ -101,6 +101,11 @@ class DrafterConfig:
     attention_bias: bool = False
     num_anchors: int = 16
     """Anchors per training sequence (DeepSpec requires the field; informative here)."""
+    inject_last_context: bool = False
+    """Add the fused context state of the last context token (position a - 1),
+    `hidden_norm(fc(features))`, to every block input embedding: a direct path to the most recent
+    target features, as EAGLE / MTP heads have (they concatenate it with the token embedding).
+    No extra parameters. False = DeepSpec's DFlash/DSpark backbone (its checkpoints lack the key)."""
     architecture: Architecture = Architecture.DSPARK
     extra: dict[str, Any] = field(default_factory=dict)
     """The rest of the target's config, written back unchanged."""
@@ -216,6 +221,8 @@ class DrafterConfig:
             "layer_types": ["full_attention"] * self.num_hidden_layers,
             "tie_word_embeddings": False,
         })
+        if self.inject_last_context:
+            out["inject_last_context"] = True
         # Keep the target's rope description consistent with rope_theta.
         rope = out.get("rope_parameters")
         if isinstance(rope, dict):
@@ -266,6 +273,7 @@ class DrafterConfig:
             draft_vocab_size=(int(data["draft_vocab_size"])
                               if data.get("draft_vocab_size") else None),
             num_anchors=int(data.get("num_anchors", 16)),
+            inject_last_context=bool(data.get("inject_last_context", False)),
         )
         return DrafterConfig(**fields)
 

@@ -46,6 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markov-init", choices=["zero", "bigram"], default=d["markov_init"].default,
                         help="Markov head start: zero (pure parallel drafter) or the answers' "
                              "bigram statistics")
+    parser.add_argument("--inject-last-context", action="store_true",
+                        help="DSpark/DFlash: add the last context token's fused target state to "
+                             "every block input (a direct path to the most recent features)")
     parser.add_argument("--init-from-target-layers", type=_int_list, default=None,
                         help="comma-separated target layer ids: warm-start drafter layer i from "
                              "the i-th (default: random init)")
@@ -55,6 +58,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="anchor blocks per sequence")
     parser.add_argument("--max-seq-len", type=int, default=d["max_seq_len"].default)
     parser.add_argument("--lr", type=float, default=d["lr"].default)
+    parser.add_argument("--output-norm-lr-scale", type=float,
+                        default=d["output_norm_lr_scale"].default,
+                        help="learning-rate multiplier of the final-norm weight (the scale of the "
+                             "backbone's logits)")
     parser.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"].default)
     parser.add_argument("--warmup", type=int, default=d["warmup_steps"].default)
     parser.add_argument("--weight-decay", type=float, default=d["weight_decay"].default)
@@ -90,9 +97,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         draft_vocab_size=args.draft_vocab, mask_token_id=args.mask_token_id,
         enable_confidence_head=not args.no_confidence_head,
         init_layers_from=args.init_from_target_layers, markov_init=args.markov_init,
+        inject_last_context=args.inject_last_context,
         steps=args.steps,
         batch_size=args.batch, num_anchors=args.anchors, max_seq_len=args.max_seq_len, lr=args.lr,
-        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, weight_decay=args.weight_decay,
+        min_lr_ratio=args.min_lr_ratio, output_norm_lr_scale=args.output_norm_lr_scale, warmup_steps=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, ce_weight=args.ce_weight, tv_weight=args.tv_weight,
         conf_weight=args.conf_weight, loss_decay=args.loss_decay,
         target_temperature=args.target_temperature, seed=args.seed, device=args.device,

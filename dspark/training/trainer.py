@@ -86,9 +86,19 @@ class TrainConfig:
     init_layers_from: list[int] | None = None
     """Warm start: drafter layer i starts as a copy of target layer init_layers_from[i] (attention,
     MLP, norms; q/k norms stay 1) and the final norm as the target's. None = random init."""
+    inject_last_context: bool = False
+    """DSpark/DFlash: add the last context token's fused state to every block input
+    (`DrafterConfig.inject_last_context`), a direct path to the most recent target features."""
     markov_init: str = "zero"
     """Markov head start: "zero" (W2 = 0: the pure parallel drafter) or "bigram" (rank-r factors of
     the training answers' bigram PMI, see dspark.training.markov_init)."""
+    output_norm_lr_scale: float = 1.0
+    """Learning-rate multiplier of the drafter's final-norm weight. That weight alone sets the
+    scale of the backbone's logits U_k = lm_head(norm(h_k)) (the LM head is frozen, the norm's
+    input is normalised), and Adam moves it by about lr per step: from a bigram start at 5% of the
+    target's gain (~0.09 against ~1.8) it needs well over a thousand steps at 1x to reach the
+    target's logit scale, so the backbone stays mute on a CPU budget. 30x lets it get there in
+    about a hundred."""
     steps: int = 1000
     batch_size: int = 4
     num_anchors: int = 16
@@ -136,7 +146,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.method != Method.NONE and self.method != Method.EAGLE and self.markov_rank <= 0:
             raise ValueError("markov/rnn heads need markov_rank > 0")
-        if not self.lr > 0 or not (0 <= self.min_lr_ratio <= 1) or self.warmup_steps < 0:
+        if not self.lr > 0 or not (0 <= self.min_lr_ratio <= 1) or self.warmup_steps < 0 \
+                or not self.output_norm_lr_scale > 0:
             raise ValueError("bad learning-rate schedule")
         if self.target_temperature < 0:
             raise ValueError("target_temperature must be >= 0")
@@ -149,6 +160,9 @@ class TrainConfig:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.markov_init not in ("zero", "bigram"):
             raise ValueError(f"markov_init must be zero or bigram, got {self.markov_init!r}")
+        if self.inject_last_context and self.method == Method.EAGLE:
+            raise ValueError("inject_last_context is for the DSpark/DFlash drafter (the Eagle-style "
+                             "drafter reads the last features by construction)")
         if self.markov_init == "bigram" and self.method != Method.MARKOV:
             raise ValueError("markov_init=bigram needs the markov head")
         if self.init_layers_from is not None:
@@ -358,7 +372,8 @@ def build_drafter(cfg: TrainConfig, target_config: dict, mask_token_id: int,
         markov_rank=0 if head == SequentialHead.NONE else cfg.markov_rank,
         enable_confidence_head=cfg.enable_confidence_head,
         confidence_head_with_markov=head != SequentialHead.NONE,
-        draft_vocab_size=cfg.draft_vocab_size, num_anchors=cfg.num_anchors)
+        draft_vocab_size=cfg.draft_vocab_size, num_anchors=cfg.num_anchors,
+        inject_last_context=cfg.inject_last_context)
     return DSparkDrafter(dcfg)
 
 
@@ -448,12 +463,14 @@ class Trainer:
                 t2d)
             with torch.no_grad():  # U_k ~ 0 at first: the drafter starts near the bigram model
                 self.model.norm.weight.mul_(BIGRAM_START_BACKBONE_SCALE)
-        decay, no_decay = [], []
-        for p in self.model.parameters():
-            (decay if p.dim() >= 2 else no_decay).append(p)
+        decay, no_decay, gain = [], [], []
+        for name, p in self.model.named_parameters():
+            (gain if name == "norm.weight" else decay if p.dim() >= 2 else no_decay).append(p)
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+             {"params": no_decay, "weight_decay": 0.0},
+             {"params": gain, "weight_decay": 0.0, "lr": cfg.lr * cfg.output_norm_lr_scale}],
+            lr=cfg.lr, betas=cfg.betas)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
         self.anchor_rng = torch.Generator().manual_seed(cfg.seed + 1)

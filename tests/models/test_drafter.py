@@ -32,11 +32,12 @@ def _single_thread():
 
 
 def make_drafter(head: str = "markov", seed: int = 0, draft_ids: torch.Tensor | None = None,
-                 bias_std: float = 0.5) -> DSparkDrafter:
+                 bias_std: float = 0.5, inject: bool = False) -> DSparkDrafter:
     cfg = DrafterConfig.from_target_config(
         TARGET, num_hidden_layers=2, block_size=GAMMA, mask_token_id=3, target_layer_ids=[1, 3],
         markov_head_type=head, markov_rank=0 if head == "none" else 8,
-        draft_vocab_size=None if draft_ids is None else draft_ids.numel())
+        draft_vocab_size=None if draft_ids is None else draft_ids.numel(),
+        inject_last_context=inject)
     g = torch.Generator().manual_seed(seed)
     model = DSparkDrafter(cfg)
     with torch.no_grad():
@@ -88,8 +89,9 @@ def test_shapes(head):
         assert bool(((b.confidences > 0) & (b.confidences < 1)).all())
 
 
-def test_block_sees_only_context_before_anchor_and_is_bidirectional():
-    model = make_drafter()
+@pytest.mark.parametrize("inject", [False, True])
+def test_block_sees_only_context_before_anchor_and_is_bidirectional(inject):
+    model = make_drafter(inject=inject)
     ids, feats = sequence()
     anchors = torch.tensor([[5, 10]])
     labels, _ = block_labels(ids, anchors, torch.ones_like(ids, dtype=torch.bool), GAMMA)
@@ -125,9 +127,10 @@ def test_block_sees_only_context_before_anchor_and_is_bidirectional():
                                   atol=1e-4)
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
-def test_incremental_context_equals_full_recompute(head):
-    model = make_drafter(head)
+@pytest.mark.parametrize("head,inject", [("markov", False), ("rnn", False), ("none", False),
+                                         ("markov", True), ("none", True)])
+def test_incremental_context_equals_full_recompute(head, inject):
+    model = make_drafter(head, inject=inject)
     ids, feats = sequence(T=20)
     gen = torch.Generator().manual_seed(7)
     length = 0
@@ -370,3 +373,31 @@ def test_packed_for_inference_drafts_the_same_blocks(head):
         assert torch.equal(plain.tokens, packed.tokens)
         torch.testing.assert_close(plain.dense(VOCAB), packed.dense(VOCAB), rtol=0, atol=1e-5)
         torch.testing.assert_close(plain.confidences, packed.confidences, rtol=0, atol=1e-5)
+
+
+
+def test_last_context_injection_adds_the_fused_state_at_anchor_minus_one():
+    """inject_last_context: the block input is embed(block) + H_ctx[a - 1] (recomputed by hand
+    here); the flag changes the outputs of the same weights, and round-trips through config.json
+    (absent = DeepSpec's backbone)."""
+    plain, injected = make_drafter("none"), make_drafter("none", inject=True)
+    injected.load_state_dict(plain.state_dict())  # the same weights: the flag is the difference
+    ids, feats = sequence()
+    T, anchor = ids.shape[1], 8
+    anchors = torch.tensor([[anchor]])
+    labels, _ = block_labels(ids, anchors, torch.ones_like(ids, dtype=torch.bool), GAMMA)
+    with torch.no_grad():
+        out = injected.forward_train(ids, feats, anchors, labels).draft_logits[0, 0]  # [gamma, V]
+        out_plain = plain.forward_train(ids, feats, anchors, labels).draft_logits[0, 0]
+        block_ids = torch.tensor([[int(ids[0, anchor])] + [3] * (GAMMA - 1)])
+        h_ctx = injected.fuse_context(feats)  # [1, T, hidden]
+        embeds = torch.nn.functional.embedding(block_ids, injected.embed_weight)
+        hn = injected.backbone(embeds + h_ctx[:, anchor - 1: anchor],
+                               torch.arange(anchor, anchor + GAMMA).unsqueeze(0),
+                               *injected.context_kv(feats, torch.arange(T).unsqueeze(0)),
+                               training_mask(anchors, T, GAMMA))
+        assert torch.allclose(out, injected.base_logits(hn)[0], atol=1e-5)
+        assert not torch.allclose(out, out_plain, atol=1e-3)
+    assert DrafterConfig.from_json_dict(injected.config.to_json_dict()).inject_last_context
+    assert "inject_last_context" not in plain.config.to_json_dict()
+    assert not DrafterConfig.from_json_dict(plain.config.to_json_dict()).inject_last_context

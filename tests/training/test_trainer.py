@@ -257,3 +257,27 @@ def test_warm_start_from_target_layers_and_bigram_markov_head(target_dir, data_p
         config(target_dir, data_path, tmp_path, num_layers=2, init_layers_from=[4])
     with pytest.raises(ValueError, match="markov head"):
         config(target_dir, data_path, tmp_path, method="none", markov_init="bigram")
+
+
+def test_output_norm_learning_rate_and_last_context_injection(target_dir, data_path, tmp_path):
+    """The final-norm weight (the scale of the backbone's logits) has its own learning rate, and
+    after one step from a bigram start it has moved by about that rate, not by `lr`; the
+    injection flag reaches the saved drafter's config."""
+    trainer = Trainer(config(target_dir, data_path, tmp_path, num_layers=2, init_layers_from=[4, 5],
+                             markov_init="bigram", output_norm_lr_scale=30.0, warmup_steps=0,
+                             inject_last_context=True, steps=2))
+    groups = trainer.optimizer.param_groups
+    norm_group = [g for g in groups if any(p is trainer.model.norm.weight for p in g["params"])]
+    assert len(norm_group) == 1 and len(norm_group[0]["params"]) == 1
+    assert norm_group[0]["lr"] == pytest.approx(30 * 3e-3)
+    assert all(g["lr"] == pytest.approx(3e-3) for g in groups if g is not norm_group[0])
+    before = trainer.model.norm.weight.detach().clone()
+    trainer.train_step()
+    moved = (trainer.model.norm.weight.detach() - before).abs().max()
+    assert 3e-3 * 5 < float(moved) <= 30 * 3e-3 * 1.01  # Adam: about lr * scale per step
+    trainer.run()
+    assert json.loads((tmp_path / "config.json").read_text())["inject_last_context"] is True
+    with pytest.raises(ValueError, match="inject_last_context"):
+        config(target_dir, data_path, tmp_path, method="eagle", inject_last_context=True)
+    with pytest.raises(ValueError, match="learning-rate"):
+        config(target_dir, data_path, tmp_path, output_norm_lr_scale=0.0)

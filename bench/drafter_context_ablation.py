@@ -39,7 +39,8 @@ def main() -> int:
     dcfg = DrafterConfig.load(args.checkpoint)
     cfg = TrainConfig(data_path=args.data, target_dir=str(ensure_model()), out_dir=tempfile.mkdtemp(),
                       method=Method(dcfg.markov_head_type.value), num_layers=dcfg.num_hidden_layers,
-                      gamma=dcfg.block_size, markov_rank=dcfg.markov_rank or 1, draft_vocab_size=dcfg.draft_vocab_size,
+                      gamma=dcfg.block_size, markov_rank=dcfg.markov_rank,
+                      draft_vocab_size=dcfg.draft_vocab_size,
                       target_layer_ids=list(dcfg.target_layer_ids), split=args.split,
                       steps=1, batch_size=4, num_anchors=32, teacher_cache=False)
     trainer = Trainer(cfg)  # the teacher, the data and the draft vocabulary of that data

@@ -437,16 +437,15 @@ class RequestContext:
         (the most recently appended one if a position occurs twice), or None if there is none."""
         if self.length == 0:
             return None
+        last = self.length - 1
+        if int(self.positions[last]) == self.max_position < anchor_position:
+            return self.hidden[last]  # the usual case: appended in order, all before the anchor
         positions = self.positions[: self.length]
-        if self.max_position < anchor_position:
-            best = self.max_position
-        else:
-            before = positions[positions < anchor_position]
-            if before.numel() == 0:
-                return None
-            best = int(before.max())
-        index = int((positions == best).nonzero()[-1])
-        return self.hidden[index]
+        visible = positions < anchor_position
+        if not bool(visible.any()):
+            return None
+        best = positions[visible].max()
+        return self.hidden[int((positions == best).nonzero()[-1])]
 
 
 class ContextKVCache:
@@ -849,8 +848,7 @@ class DSparkDrafter(FrozenTargetHead):
             last = h_ctx.gather(1, (anchors - 1).clamp(min=0).unsqueeze(-1).expand(
                 B, N, h_ctx.shape[-1]))  # [B, N, hidden]: H_ctx at a - 1
             last = last * (anchors > 0).unsqueeze(-1).to(last.dtype)  # no context before a = 0
-            embeds = (embeds.view(B, N, gamma, -1).to(last.dtype) + last.unsqueeze(2)
-                      ).view(B, N * gamma, -1)
+            embeds = (embeds.view(B, N, gamma, -1) + last.unsqueeze(2)).view(B, N * gamma, -1)
         offsets = torch.arange(gamma, device=device)
         block_pos = (anchors.unsqueeze(-1) + offsets).view(B, N * gamma)
         mask = training_mask(anchors, T, gamma)  # [B, N*gamma, T + N*gamma]

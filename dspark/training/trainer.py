@@ -97,8 +97,8 @@ class TrainConfig:
     scale of the backbone's logits U_k = lm_head(norm(h_k)) (the LM head is frozen, the norm's
     input is normalised), and Adam moves it by about lr per step: from a bigram start at 5% of the
     target's gain (~0.09 against ~1.8) it needs well over a thousand steps at 1x to reach the
-    target's logit scale, so the backbone stays mute on a CPU budget. 30x lets it get there in
-    about a hundred."""
+    target's logit scale, so the backbone stays mute on a CPU budget (the drafter shipped before
+    ended 300 steps at 0.064). At 30x the shipped drafter's gain reached 0.52 in 600 steps."""
     steps: int = 1000
     batch_size: int = 4
     num_anchors: int = 16

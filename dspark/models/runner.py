@@ -245,7 +245,7 @@ class TargetRunner:
         layer_ids = self.config.hidden_layer_ids
         for pieces in self._plan(items):
             batch, logit_rows = self._flat_batch(items, old_lengths, pieces)
-            batch.prepare(self.config.attention, group, self.config.block_size)
+            batch.prepare(self.config.attention, group, self.cache)
             h, hidden = self.model(batch, self.cache, self.config.attention, layer_ids)
             rows = torch.tensor(list(itertools.chain.from_iterable(logit_rows)), dtype=torch.int64)
             logits = self.model.compute_logits(h.index_select(0, rows.to(self.device)))

@@ -79,6 +79,10 @@ class FlatBatch:
     """[num_gathered_blocks] int64: the blocks of the contexts not read in place, in request order."""
     masks: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
     """PER_REQUEST: per request, bool [group * q_len, context_len] (None when q_len == 1)."""
+    in_place_contexts: list[tuple[torch.Tensor, torch.Tensor] | None] = dataclasses.field(default_factory=list)
+    """PER_REQUEST: per request whose context is read in place, views of its keys and values in
+    every layer, each [num_layers, 1, num_kv_heads, context_len, head_dim] (None: gathered). Made
+    once per forward (`bind_cache`), so a layer takes a request's context with one indexing op."""
     block_mask: torch.Tensor | None = None
     """BLOCK_DIAGONAL: bool [group * num_tokens, num_context_blocks * block_size]."""
     unused_rows: torch.Tensor | None = None
@@ -90,10 +94,21 @@ class FlatBatch:
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
 
-    def prepare(self, impl: AttentionImpl, group: int, block_size: int) -> None:
-        """Build the attention masks `impl` needs (once per forward, before the layers)."""
+    def bind_cache(self, cache: PagedKVCache) -> None:
+        """PER_REQUEST: make the in-place context views of `cache` (see `in_place_contexts`)."""
+        # [num_layers, num_kv_heads, num_slots, head_dim] views of the whole cache
+        k_all, v_all = cache.k.flatten(1, 2).transpose(1, 2), cache.v.flatten(1, 2).transpose(1, 2)
+        self.in_place_contexts = [
+            (k_all[:, None, :, start:start + ctx_len], v_all[:, None, :, start:start + ctx_len])
+            if in_place else None
+            for in_place, start, ctx_len in zip(self.context_in_place, self.context_offsets, self.context_lens)]
+
+    def prepare(self, impl: AttentionImpl, group: int, cache: PagedKVCache) -> None:
+        """Build the attention masks and context views `impl` needs (once per forward, before the layers)."""
         device = self.token_ids.device
+        block_size = cache.manager.block_size
         if impl is AttentionImpl.PER_REQUEST:
+            self.bind_cache(cache)
             self.masks = []
             for q_len, ctx_len in zip(self.query_lens, self.context_lens):
                 if q_len == 1:  # the single new token sees the whole context
@@ -241,41 +256,69 @@ class Attention(nn.Module):
             q = apply_rope(self.q_norm(qkv[:, :self.num_heads]), cos, sin)
             k = apply_rope(self.k_norm(qkv[:, self.num_heads:self.num_heads + self.num_kv_heads]), cos, sin)
         cache.write(layer, batch.slot_mapping, k, v)
-        # Context K/V as [num_kv_heads, rows, head_dim] views: the cache itself, and a gathered copy
-        # of the contexts whose blocks are scattered.
-        k_cache, v_cache = cache.k[layer].flatten(0, 1).transpose(0, 1), cache.v[layer].flatten(0, 1).transpose(0, 1)
-        if batch.gather_blocks.numel():
-            k_gathered, v_gathered = cache.gather(layer, batch.gather_blocks)  # [rows, num_kv_heads, head_dim]
-            if batch.unused_rows is not None and batch.unused_rows.numel():
-                k_gathered.index_fill_(0, batch.unused_rows, 0.0)
-                v_gathered.index_fill_(0, batch.unused_rows, 0.0)
-            k_gathered, v_gathered = k_gathered.transpose(0, 1), v_gathered.transpose(0, 1)
-
-        # Query heads of one KV group stacked along the sequence: [num_kv_heads, group, num_tokens, head_dim]
-        q = q.view(num_tokens, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
         if impl is AttentionImpl.BLOCK_DIAGONAL:
-            q = q.reshape(self.num_kv_heads, self.group * num_tokens, self.head_dim)
-            out = F.scaled_dot_product_attention(q[None], k_gathered[None], v_gathered[None],
-                                                 attn_mask=batch.block_mask, scale=self.scale)[0]
-            out = out.view(self.num_kv_heads, self.group, num_tokens, self.head_dim)
+            out = self._block_diagonal(q, batch, cache, layer)
         else:
-            out = q.new_empty(self.num_kv_heads, self.group, num_tokens, self.head_dim)
-            q_start = 0
-            for q_len, ctx_len, in_place, ctx_start, mask in zip(
-                    batch.query_lens, batch.context_lens, batch.context_in_place, batch.context_offsets,
-                    batch.masks):
-                k_ctx, v_ctx = (k_cache, v_cache) if in_place else (k_gathered, v_gathered)
-                q_r = q[:, :, q_start:q_start + q_len].reshape(
-                    self.num_kv_heads, self.group * q_len, self.head_dim)
+            out = self._per_request(q, batch, cache, layer)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _gathered(self, batch: FlatBatch, cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [num_kv_heads, rows, head_dim] of the contexts whose blocks are scattered (a copy)."""
+        k, v = cache.gather(layer, batch.gather_blocks)  # [rows, num_kv_heads, head_dim]
+        if batch.unused_rows is not None and batch.unused_rows.numel():
+            k.index_fill_(0, batch.unused_rows, 0.0)
+            v.index_fill_(0, batch.unused_rows, 0.0)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def _block_diagonal(self, q: torch.Tensor, batch: FlatBatch, cache: PagedKVCache,
+                        layer: int) -> torch.Tensor:
+        """One SDPA call over all gathered contexts: q [num_tokens, num_heads, head_dim] ->
+        [num_tokens, num_kv_heads, group, head_dim]."""
+        num_tokens = q.shape[0]
+        k, v = self._gathered(batch, cache, layer)
+        # Query heads of one KV group stacked along the sequence: [num_kv_heads, group * num_tokens, head_dim]
+        q = q.view(num_tokens, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(self.num_kv_heads, self.group * num_tokens, self.head_dim)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=batch.block_mask,
+                                             scale=self.scale)[0]
+        return out.view(self.num_kv_heads, self.group, num_tokens, self.head_dim).permute(2, 0, 1, 3)
+
+    def _per_request(self, q: torch.Tensor, batch: FlatBatch, cache: PagedKVCache,
+                     layer: int) -> torch.Tensor:
+        """One SDPA call per request over its own context: q [num_tokens, num_heads, head_dim] ->
+        [num_tokens, num_kv_heads, group, head_dim] (contiguous).
+
+        At 16 requests x 1 new token this loop runs 16 times per layer, so each iteration is kept
+        to a few tensor ops: in-place contexts come from `batch.in_place_contexts` by one index, a
+        single new token's query heads are already SDPA's [1, num_kv_heads, group, head_dim], and
+        the outputs are joined by one `cat` at the end.
+        """
+        num_tokens = q.shape[0]
+        if batch.gather_blocks.numel():
+            k_gathered, v_gathered = self._gathered(batch, cache, layer)
+        q_tokens = q.view(num_tokens, 1, self.num_kv_heads, self.group, self.head_dim)
+        outs: list[torch.Tensor] = []
+        q_start = 0
+        for q_len, ctx_len, ctx_start, views, mask in zip(
+                batch.query_lens, batch.context_lens, batch.context_offsets, batch.in_place_contexts,
+                batch.masks):
+            if views is not None:
+                k_r, v_r = views[0][layer], views[1][layer]  # [1, num_kv_heads, ctx_len, head_dim]
+            else:
+                k_r = k_gathered[None, :, ctx_start:ctx_start + ctx_len]
+                v_r = v_gathered[None, :, ctx_start:ctx_start + ctx_len]
+            if q_len == 1:
+                # [1, num_kv_heads, group, head_dim]: the token's query heads, group along "sequence"
+                outs.append(F.scaled_dot_product_attention(q_tokens[q_start], k_r, v_r, scale=self.scale))
+            else:
+                q_r = q_tokens[q_start:q_start + q_len, 0].permute(1, 2, 0, 3).reshape(
+                    1, self.num_kv_heads, self.group * q_len, self.head_dim)
                 # 4-D inputs: the CPU flash kernel takes only [batch, heads, seq, head_dim].
-                out_r = F.scaled_dot_product_attention(
-                    q_r[None], k_ctx[None, :, ctx_start:ctx_start + ctx_len],
-                    v_ctx[None, :, ctx_start:ctx_start + ctx_len],
-                    attn_mask=mask, scale=self.scale)[0]  # [num_kv_heads, group * q_len, head_dim]
-                out[:, :, q_start:q_start + q_len] = out_r.view(
-                    self.num_kv_heads, self.group, q_len, self.head_dim)
-                q_start += q_len
-        out = out.permute(2, 0, 1, 3).reshape(num_tokens, self.num_heads * self.head_dim)
+                out_r = F.scaled_dot_product_attention(q_r, k_r, v_r, attn_mask=mask, scale=self.scale)
+                outs.append(out_r.view(self.num_kv_heads, self.group, q_len, self.head_dim).permute(2, 0, 1, 3))
+            q_start += q_len
+        return torch.cat(outs, dim=0)  # [num_tokens, num_kv_heads, group, head_dim]
+
         return self.o_proj(out)
 
 

@@ -187,6 +187,36 @@ def test_scattered_blocks(tiny, impl):
         assert_logits_match(out.logits_of(index), reference(model, s)[0])
 
 
+def test_in_place_and_gathered_contexts_in_one_forward(tiny):
+    """One forward whose requests read their contexts both ways (in place and gathered), each
+    with one new token (the decode path) or several (the verification path)."""
+    model, folder = tiny
+    runner = make_runner(folder, kv_cache_tokens=128)  # 32 blocks of 4
+    manager = runner.cache.manager
+    seqs = {"c": random_tokens(10, 52), "d": random_tokens(6, 53)}
+    for rid in ("c", "d"):  # an empty cache: consecutive blocks
+        runner.add_request(rid)
+        runner.forward([ForwardItem(rid, seqs[rid])])
+    fillers = [("filler", i) for i in range(manager.num_free_blocks)]
+    for rid in fillers:  # fill every other block, then free every other filler: scattered blocks
+        runner.add_request(rid)
+        runner.forward([ForwardItem(rid, [1])])
+    for rid in fillers[::2]:
+        runner.free(rid)
+    seqs |= {"a": random_tokens(13, 50), "b": random_tokens(9, 51)}
+    for rid in ("a", "b"):
+        runner.add_request(rid)
+        runner.forward([ForwardItem(rid, seqs[rid])])
+    new = {"a": random_tokens(1, 60), "b": random_tokens(3, 61), "c": random_tokens(1, 62),
+           "d": random_tokens(2, 63)}
+    out = runner.forward([ForwardItem(rid, new[rid], logits_from=0) for rid in new])
+    full = {rid: seqs[rid] + new[rid] for rid in new}
+    in_place = {rid: manager.contiguous_start(rid, len(full[rid])) is not None for rid in new}
+    assert in_place == {"a": False, "b": False, "c": True, "d": True}
+    for index, rid in enumerate(new):
+        assert_logits_match(out.logits_of(index), reference(model, full[rid])[0][-len(new[rid]):])
+
+
 def test_hidden_states_match_output_hidden_states(tiny):
     model, folder = tiny
     num_layers = model.config.num_hidden_layers

@@ -23,7 +23,7 @@ from dspark.sampling import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFTER = REPO_ROOT / "checkpoints" / "dspark-markov"
-# Batch sizes (flattened tokens) measured by the start-up profile: a few forwards, about a second.
+# Batch sizes (flattened tokens) measured by the start-up profile: 36 forwards, 2-3 s for SmolLM2.
 STARTUP_PROFILE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
@@ -33,11 +33,15 @@ def log(message: str) -> None:
 
 def startup_cost_table(runner, sizes=STARTUP_PROFILE_SIZES, context_len: int = 64) -> CostTable:
     """Measure SPS(B) quickly on this machine (a short `dspark profile`): B tokens over up to 4
-    requests of `context_len` cached tokens, median of 2 forwards after 1 warm-up."""
+    requests of `context_len` cached tokens, median of 5 forwards after 1 warm-up.
+
+    Median of 5, not fewer: the admission policies only re-measure the batch sizes they choose,
+    so a size that one slow start-up forward made look expensive would never be chosen again
+    (session 4 saw B=2 profiled at 122 ms against 77 ms at B=4 after a median of 2)."""
     from dspark.profiling import measure_step_seconds
 
     seconds = measure_step_seconds(runner, list(sizes), context_len=context_len, requests=4,
-                                   repeats=2, warmup=1)
+                                   repeats=5, warmup=1)
     return CostTable.from_step_seconds(dict(zip(sizes, seconds)),
                                        meta={"source": "dspark generate start-up profile",
                                              "context_len": context_len})

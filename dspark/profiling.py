@@ -3,7 +3,7 @@
 For each flattened batch size B = 1..max_batch, B new tokens are spread as evenly as possible
 over min(B, requests) requests that each hold `context_len` tokens of KV cache (a verification
 step's shape: several requests, a few tokens each), one forward is timed `repeats` times after
-`warmup` untimed ones, and the median is kept; each request is truncated back to its context
+`warmup` untimed ones, and the median is kept (the sizes take turns, one forward each per round); each request is truncated back to its context
 after every forward, so the context length stays fixed. The cost table JSON (dspark.cost_table
 format) and a PNG plot of SPS(B) are written; a markdown table goes to stdout.
 """
@@ -45,20 +45,21 @@ def measure_step_seconds(runner: TargetRunner, batch_sizes: list[int], context_l
         runner.add_request(rid)
     try:
         runner.forward([ForwardItem(rid, tokens(context_len)) for rid in rids])
-        seconds = []
-        for b in batch_sizes:
-            times = []
-            for rep in range(warmup + repeats):
+        # Rounds over all sizes, not all repeats of one size in a row: a slow spell of the
+        # machine (another process, a page-cache flush) then lands on one repeat of every size
+        # instead of on every repeat of one size, which the median could not remove.
+        times: list[list[float]] = [[] for _ in batch_sizes]
+        for rep in range(warmup + repeats):
+            for b, b_times in zip(batch_sizes, times):
                 items = [ForwardItem(rid, tokens(n), logits_from=0)
                          for rid, n in zip(rids, split_tokens(b, requests))]
                 start = time.perf_counter()
                 runner.forward(items)
                 if rep >= warmup:
-                    times.append(time.perf_counter() - start)
+                    b_times.append(time.perf_counter() - start)
                 for it in items:
                     runner.truncate(it.request_id, context_len)
-            seconds.append(statistics.median(times))
-        return seconds
+        return [statistics.median(b_times) for b_times in times]
     finally:
         for rid in rids:
             runner.free(rid)

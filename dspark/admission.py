@@ -14,7 +14,8 @@ Glossary
 - *B* = ``sum_r (1 + l_r)``: tokens in the target's flattened verification batch.
 - *tau* = ``sum_r (1 + sum_{j<=l_r} a_{r,j})``: expected tokens produced this round.
 - *Theta* = ``tau * rate(B)``: expected accepted tokens per second; ``rate`` is SPS(B) or
-  ``1 / (T_draft + T_verify(B))``, see :class:`dspark.cost_table.ThetaObjective`.
+  ``1 / (T_draft + T_verify(B))``, or the latter only when drafts are verified, see
+  :class:`dspark.cost_table.ThetaObjective`.
 - *admission order*: all candidates sorted by ``a_{r,j}`` descending, ties by smaller j, then by
   smaller r. Because ``a_{r,j} <= a_{r,j-1}`` (also in floating point, where ``c = 1.0`` gives exact
   ties), ``(r, j-1)`` always precedes ``(r, j)``, so any leading run of the order is a set of
@@ -237,14 +238,18 @@ def theta_curve(
 ) -> np.ndarray:
     """``Theta(n)`` for admitting the first n = 0..N candidates: ``[N + 1]`` float64.
 
-    ``Theta(n) = (R + sum of the first n survivals) * rate(R + n)``.
+    ``Theta(n) = (R + sum of the first n survivals) * rate(R + n)``; under
+    :attr:`ThetaObjective.SHARED_DEVICE` the round with n = 0 does not draft, so its rate is SPS(R).
     """
     n_cand = survival_sorted.shape[0]
     tau = np.empty(n_cand + 1, dtype=np.float64)  # [N + 1]
     tau[0] = 0.0
     np.cumsum(survival_sorted, out=tau[1:])
     tau += num_requests
-    return tau * cost_table.round_rate_range(num_requests, n_cand + 1, objective)
+    theta = tau * cost_table.round_rate_range(num_requests, n_cand + 1, objective)
+    if objective is ThetaObjective.SHARED_DEVICE:
+        theta[0] = num_requests * cost_table.round_rate_range(num_requests, 1, ThetaObjective.PAPER)[0]
+    return theta
 
 
 def best_capacity(
@@ -428,7 +433,12 @@ class Admitter:
         if kind is PolicyKind.THRESHOLD:
             return admit_threshold(c, policy.threshold, max_lengths)
         if kind is PolicyKind.SYNC_GREEDY:
-            return admit_sync_greedy(c, self.cost_table, max_lengths, self.config.objective)
+            # Its confidences come from this round's drafts: the drafting is already paid, so
+            # a shared device's round rate is SPS(B), the paper's.
+            objective = self.config.objective
+            if objective is ThetaObjective.SHARED_DEVICE:
+                objective = ThetaObjective.PAPER
+            return admit_sync_greedy(c, self.cost_table, max_lengths, objective)
         if kind is PolicyKind.ASYNC_TOPK:
             return self._async.admit(c, step_index, max_lengths)
         raise AssertionError(f"unhandled policy {kind}")

@@ -11,7 +11,8 @@ Glossary
 - *Theta*: expected accepted tokens per second, ``tau * rate(B)``, where ``rate`` is either
   ``SPS(B)`` (the paper's form, :attr:`ThetaObjective.PAPER`: drafting is overlapped or free) or
   ``1 / (T_draft + T_verify(B))`` (:attr:`ThetaObjective.DISAGGREGATED`: what a system that drafts
-  and verifies one after the other really pays per round).
+  and verifies one after the other really pays per round), or the latter only for rounds that
+  verify drafts (:attr:`ThetaObjective.SHARED_DEVICE`: a round with none skips drafting).
 
 Lookup rules (chosen so that the async global search sees the hardware as measured, DESIGN.md
 section 12: profiled tables are staircases, do not smooth them):
@@ -64,8 +65,18 @@ class Interpolation(enum.Enum):
 class ThetaObjective(enum.Enum):
     """What the admission policies maximise (DESIGN.md section 6, issue 2)."""
 
-    PAPER = "paper"  # Theta = tau * SPS(B)
-    DISAGGREGATED = "disaggregated"  # Theta = tau / (T_draft + T_verify(B))
+    PAPER = "paper"
+    """Theta = tau * SPS(B): drafting is overlapped with verification (or free)."""
+    DISAGGREGATED = "disaggregated"
+    """Theta = tau / (T_draft + T_verify(B)) for every round: drafting and verification take
+    turns, and every round drafts."""
+    SHARED_DEVICE = "shared_device"
+    """Drafting and verification take turns, and a round that verifies no drafts does not draft
+    (async_topk knows its K before drafting): Theta = R / T_verify(R) with no drafts, and
+    tau / (T_draft + T_verify(B)) with at least one. For one request per round that is
+    `Theta(0) = 1 / T_verify(1)`, so a draft is only verified when its expected survival pays
+    for the drafting too; the embedded engine on a CPU is this case. As a per-B rate
+    (`CostTable.round_rate`) it is the rate of a round that drafts, as DISAGGREGATED."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +236,7 @@ class CostTable:
         step = self.step_time(batch_tokens)
         if objective is ThetaObjective.PAPER:
             return 1.0 / step
-        if objective is ThetaObjective.DISAGGREGATED:
+        if objective in (ThetaObjective.DISAGGREGATED, ThetaObjective.SHARED_DEVICE):
             return 1.0 / (self.draft_seconds + step)
         raise ValueError(f"unknown objective {objective!r}")
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
-from dspark.cost_table import CostTable
+from dspark.cost_table import CostTable, ThetaObjective
 from dspark.models.drafter import DraftRequest, Drafter
 from dspark.sampling import SamplingParams
 from dspark.verifier import TargetVerifier, VerifyRequest
@@ -44,16 +44,25 @@ class EngineConfig:
     """Ship draft distributions as top-k (indices, probs); None = dense. The drafter samples from
     exactly this truncation, so verification stays lossless."""
     update_cost_table: bool = True
-    """Refresh SPS(B) from measured verification step times while serving."""
+    """Refresh SPS(B) from measured verification step times, and the drafting time per round
+    from measured drafting, while serving."""
     probe_interval: int = 8
     """`async_topk`: a round whose K (decided two rounds earlier) is 0 verifies no drafts, so it
     skips drafting; but at least every `probe_interval` rounds the drafter drafts anyway, so that
     fresh confidences can raise K again. 0 = always draft. When drafter and verifier share one
     device, drafting costs the round time; this keeps a weak drafter from slowing decoding."""
 
+    objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
+    """What admission maximises. SHARED_DEVICE (default): drafting and verification take turns
+    on the same device, and a round whose K is 0 skips drafting, so a draft is verified only
+    when it pays for its share of the drafting as well; the drafting time per round is measured
+    (`CostTable.observe_draft`). PAPER: drafting is overlapped with verification (cohorts)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
             object.__setattr__(self, "policy", AdmissionPolicy.parse(self.policy))
+        if not isinstance(self.objective, ThetaObjective):
+            object.__setattr__(self, "objective", ThetaObjective(self.objective))
         if self.max_running < 1:
             raise ValueError("max_running must be >= 1")
         if self.probe_interval < 0:
@@ -145,7 +154,7 @@ class Engine:
         self.config = config
         policy = config.policy if drafter is not None else AdmissionPolicy(PolicyKind.NONE)
         self.speculative = policy.kind is not PolicyKind.NONE
-        self.admitter = Admitter(AdmissionConfig(policy=policy), cost_table)
+        self.admitter = Admitter(AdmissionConfig(policy=policy, objective=config.objective), cost_table)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats = EngineStats()
@@ -231,6 +240,8 @@ class Engine:
             end = time.perf_counter()
             self.stats.draft_seconds += mid - start
             self.stats.admission_seconds += end - mid
+            if self.config.update_cost_table:
+                self.cost_table.observe_draft(mid - start)
             if self.admitter.capacity_used is not None:
                 self.stats.capacity.append(self.admitter.capacity_used)
 

@@ -44,7 +44,9 @@ def reference_theta(a: np.ndarray, lengths, table: CostTable, objective=ThetaObj
     tau = num_requests + sum(float(a[r, :l].sum()) for r, l in enumerate(lengths))
     batch = num_requests + int(sum(lengths))
     rate = 1.0 / table.step_time(batch)
-    if objective is ThetaObjective.DISAGGREGATED:
+    drafts_paid = objective is ThetaObjective.DISAGGREGATED or (
+        objective is ThetaObjective.SHARED_DEVICE and batch > num_requests)
+    if drafts_paid:
         rate = 1.0 / (table.draft_seconds + table.step_time(batch))
     return tau * rate
 
@@ -202,7 +204,7 @@ def test_all_ones_ties_fill_positions_in_order():
 
 
 # ------------------------------------------------------------------------------------- sync greedy
-@pytest.mark.parametrize("objective", list(ThetaObjective))
+@pytest.mark.parametrize("objective", [ThetaObjective.PAPER, ThetaObjective.DISAGGREGATED])
 def test_sync_greedy_equals_brute_force_when_theta_is_unimodal(objective):
     rng = np.random.default_rng(3)
     for trial in range(80):
@@ -276,6 +278,52 @@ def test_global_search_equals_brute_force_on_random_staircases():
         cand = sorted_candidates(survival_probs(c))
         lengths = admit_top_k(cand, best_capacity(cand, table))
         assert reference_theta(a, lengths, table) == pytest.approx(brute_force_best(a, table), rel=1e-12)
+
+
+@pytest.mark.parametrize("objective", list(ThetaObjective))
+def test_global_search_equals_brute_force_for_every_objective(objective):
+    """The global search is exact whatever the objective, also where the shared-device curve
+    jumps down between 0 and 1 admitted drafts (the cost of drafting at all)."""
+    rng = np.random.default_rng(6)
+    for _ in range(40):
+        num_requests, gamma = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        c = random_confidences(rng, num_requests, gamma)
+        table = CostTable.from_step_seconds(
+            {b: 0.02 + 0.004 * b + rng.uniform(0, 0.002) for b in range(1, 13)},
+            draft_seconds=rng.uniform(0.0, 0.03))
+        a = reference_survival(c)
+        cand = sorted_candidates(survival_probs(c))
+        lengths = admit_top_k(cand, best_capacity(cand, table, objective))
+        assert reference_theta(a, lengths, table, objective) == pytest.approx(
+            brute_force_best(a, table, objective=objective), rel=1e-12)
+
+
+def test_shared_device_verifies_a_draft_only_when_it_pays_for_drafting():
+    # One request: a step costs 36 ms alone, 40 ms with one draft; drafting costs 8.5 ms.
+    table = CostTable.from_step_seconds({1: 0.036, 2: 0.040}, draft_seconds=0.0085)
+    cand = sorted_candidates(survival_probs(np.array([[0.2]])))
+    curves = {o: theta_curve(cand.survival, 1, table, o) for o in ThetaObjective}
+    # paper: drafting is free, and 1.2 / 40 ms beats 1 / 36 ms
+    assert curves[ThetaObjective.PAPER].tolist() == pytest.approx([1 / 0.036, 1.2 / 0.040])
+    # disaggregated: every round pays drafting, so the draft looks worth verifying
+    assert curves[ThetaObjective.DISAGGREGATED].tolist() == pytest.approx([1 / 0.0445, 1.2 / 0.0485])
+    # shared device: not verifying saves the drafting too, and 1 / 36 ms wins
+    assert curves[ThetaObjective.SHARED_DEVICE].tolist() == pytest.approx([1 / 0.036, 1.2 / 0.0485])
+    best = {o: best_capacity(cand, table, o) for o in ThetaObjective}
+    assert best == {ThetaObjective.PAPER: 1, ThetaObjective.DISAGGREGATED: 1, ThetaObjective.SHARED_DEVICE: 0}
+    # A confident draft pays for it: 1.9 / 48.5 ms > 1 / 36 ms.
+    confident = sorted_candidates(survival_probs(np.array([[0.9]])))
+    assert best_capacity(confident, table, ThetaObjective.SHARED_DEVICE) == 1
+
+
+def test_sync_greedy_counts_drafting_as_paid_under_shared_device():
+    """sync_greedy drafts before it decides, so under SHARED_DEVICE the Admitter judges its
+    drafts by SPS(B) alone, as the paper's objective does."""
+    table = CostTable.from_step_seconds({1: 0.036, 2: 0.040}, draft_seconds=0.0085)
+    c = np.array([[0.2]])
+    shared = Admitter(AdmissionConfig(policy=AdmissionPolicy.parse("sync_greedy"),
+                                      objective=ThetaObjective.SHARED_DEVICE), table)
+    assert shared.admit(c).tolist() == [1] == admit_sync_greedy(c, table, objective=ThetaObjective.PAPER).tolist()
 
 
 # ------------------------------------------------------------------------------------- async lag

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark.cost_table import CostTable
+from dspark.cost_table import CostTable, ThetaObjective
 from dspark.engine import Engine, EngineConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_config import DrafterConfig
@@ -42,7 +42,7 @@ def tiny_target(tmp_path_factory):
 
 def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int = 8,
                 sparse_top_k: int | None = None, seed: int = 0, table: CostTable | None = None,
-                probe_interval: int = 8) -> Engine:
+                probe_interval: int = 8, **config) -> Engine:
     runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS, kv_cache_tokens=8192))
     drafter = None
     if with_drafter:
@@ -62,7 +62,7 @@ def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int
         table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
     return Engine(TargetVerifier(runner), drafter, table,
                   EngineConfig(policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
-                               update_cost_table=False, probe_interval=probe_interval))
+                               probe_interval=probe_interval, **{"update_cost_table": False, **config}))
 
 
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [40], [8, 8, 8, 8, 8], [33, 21, 7]]
@@ -126,6 +126,30 @@ def test_async_topk_skips_drafting_when_capacity_is_zero(tiny_target, reference_
     engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=steep, probe_interval=0)
     done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24)
     assert done[0].output_ids == reference_greedy[0] and engine.stats.skipped_draft_rounds == 0
+
+
+def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, reference_greedy):
+    """Drafting that costs more than any draft can save: the shared-device objective (the
+    default) stops verifying drafts and so skips the drafter, the paper's objective (drafting
+    free) keeps verifying. Both stay exact. With updates on, the engine measures drafting."""
+    def table(draft_seconds: float) -> CostTable:
+        return CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)},
+                                           draft_seconds=draft_seconds)
+
+    skipped = {}
+    for objective in (ThetaObjective.SHARED_DEVICE, ThetaObjective.PAPER):
+        engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=table(1.0),
+                             objective=objective)
+        done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24)
+        assert done[0].output_ids == reference_greedy[0]
+        skipped[objective] = engine.stats.skipped_draft_rounds / engine.stats.rounds
+    assert skipped[ThetaObjective.SHARED_DEVICE] >= 0.5 and skipped[ThetaObjective.PAPER] == 0.0
+
+    engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=table(0.0),
+                         update_cost_table=True)
+    engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=8)
+    assert engine.config.objective is ThetaObjective.SHARED_DEVICE
+    assert 0.0 < engine.cost_table.draft_seconds <= engine.stats.draft_seconds
 
 
 def test_greedy_and_sampled_requests_share_rounds(tiny_target, reference_greedy):

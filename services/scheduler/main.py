@@ -70,7 +70,7 @@ class Cohort:
 def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Cohort:
     """A RemoteVerifier, a RemoteDrafter (unless none) and an Engine over them."""
     from dspark.admission import AdmissionPolicy
-    from dspark.cost_table import CostTable
+    from dspark.cost_table import CostTable, ThetaObjective
     from dspark.engine import Engine, EngineConfig
     from dspark.serving import grpc_runtime
     from dspark.serving.remote_drafter import RemoteDrafter
@@ -97,10 +97,13 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
                              f"verifier returns {verifier.hidden_layer_ids}")
     # Each engine refreshes its own copy of SPS(B) (CostTable is not shared across threads).
     table = CostTable.from_dict(cost_table.to_dict())
+    # One cohort drafts and verifies in turn; several overlap one's drafting with another's
+    # verification, so drafting is (roughly) free to each: the paper's objective.
+    objective = ThetaObjective.SHARED_DEVICE if config.cohorts == 1 else ThetaObjective.PAPER
     engine = Engine(verifier, drafter, table,
                     EngineConfig(policy=policy, max_running=config.max_running,
                                  sparse_top_k=config.sparse_top_k or None,
-                                 update_cost_table=config.update_cost_table))
+                                 update_cost_table=config.update_cost_table, objective=objective))
     return Cohort(verifier, drafter, engine)
 
 

@@ -757,6 +757,9 @@ class DSparkDrafter(FrozenTargetHead):
         self._init_target_buffers()
         self.register_buffer("confidence_temperatures", torch.ones(self.gamma), persistent=False)
         self._cache = ContextKVCache()
+        # Context tokens not yet projected into the cache, per request: (features [n, m * hidden],
+        # positions [n]) in arrival order (see append_context).
+        self._pending: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         if embed_weight is not None and lm_head_weight is not None:
             self.set_target_weights(embed_weight, lm_head_weight, draft_token_ids)
 
@@ -866,23 +869,45 @@ class DSparkDrafter(FrozenTargetHead):
     def append_context(self, request_id: Hashable, features: torch.Tensor,
                        positions: torch.Tensor, token_ids: torch.Tensor | None = None) -> None:
         """Add context tokens' target features [n, m * hidden] at absolute positions [n].
-        (token_ids is accepted for interface parity with the Eagle-style drafter; unused.)"""
+        (token_ids is accepted for interface parity with the Eagle-style drafter; unused.)
+
+        Lazy: the tokens are projected into the context cache when the request is next drafted
+        (`_absorb_pending`), together with every other pending token of that draft call, in one
+        product per weight instead of one per request and round; a round that skips drafting
+        then costs the drafter nothing. Each token's projection depends on that token alone, so
+        the result is the same up to float summation order."""
         assert features.dim() == 2 and positions.shape == (features.shape[0],), (
             features.shape, positions.shape)
         if features.shape[0] == 0:
             return
+        self._pending.setdefault(request_id, []).append((features, positions))
+
+    def _absorb_pending(self, request_ids: Sequence[Hashable]) -> None:
+        """Project the pending context tokens of these requests into the cache, all at once."""
+        pieces = [(rid, piece) for rid in dict.fromkeys(request_ids)
+                  for piece in self._pending.pop(rid, ())]
+        if not pieces:
+            return
         device = self.fc.weight.device
+        features = torch.cat([f for _, (f, _) in pieces]).to(device)  # [N, m * hidden]
+        positions = torch.cat([p for _, (_, p) in pieces]).to(device=device, dtype=torch.int64)  # [N]
         with torch.no_grad():
-            keys, values, h_ctx = self.context_states(
-                features.to(device).unsqueeze(0),
-                positions.to(device=device, dtype=torch.int64).unsqueeze(0))
-        hidden = h_ctx[0] if self.config.inject_last_context else None  # [n, hidden]
-        self._cache.append(request_id, keys[:, 0], values[:, 0], positions.to(device), hidden)
+            # keys, values [num_layers, 1, num_kv_heads, N, head_dim]; h_ctx [1, N, hidden]
+            keys, values, h_ctx = self.context_states(features.unsqueeze(0), positions.unsqueeze(0))
+        start = 0
+        for rid, (f, _) in pieces:
+            end = start + f.shape[0]
+            hidden = h_ctx[0, start:end] if self.config.inject_last_context else None  # [n, hidden]
+            self._cache.append(rid, keys[:, 0, :, start:end], values[:, 0, :, start:end],
+                               positions[start:end], hidden)
+            start = end
 
     def release(self, request_id: Hashable) -> None:
+        self._pending.pop(request_id, None)
         self._cache.release(request_id)
 
     def context_length(self, request_id: Hashable) -> int:
+        self._absorb_pending([request_id])
         return self._cache.length(request_id)
 
     def _last_context_states(self, contexts: Sequence[RequestContext],
@@ -911,6 +936,7 @@ class DSparkDrafter(FrozenTargetHead):
         cfg, gamma = self.config, self.gamma
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
         R = len(requests)
+        self._absorb_pending([r.request_id for r in requests])
         contexts = []
         for r in requests:  # a request with no context yet gets an empty, unstored one
             ctx = self._cache.get(r.request_id) or RequestContext(

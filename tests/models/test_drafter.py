@@ -156,6 +156,31 @@ def test_incremental_context_equals_full_recompute(head, inject):
     assert model.context_length("r") == 0
 
 
+@pytest.mark.parametrize("inject", [False, True])
+def test_pending_context_is_absorbed_at_draft_time(inject):
+    """Context appended in several pieces for several requests, never read before drafting, is
+    projected in one batch by the draft call: the blocks equal the teacher-forced reference."""
+    model = make_drafter("markov", inject=inject)
+    ids, feats = sequence(T=20)
+    gen = torch.Generator().manual_seed(8)
+    anchors = {}
+    for rid, pieces in (("a", (4, 3, 2)), ("b", (6, 5)), ("c", (1,))):
+        start = 0
+        for n in pieces:
+            model.append_context(rid, feats[0, start:start + n], torch.arange(start, start + n))
+            start += n
+        anchors[rid] = start
+    model.release("c")  # its pending tokens go with it
+    blocks = model.draft([DraftRequest(rid, int(ids[0, anchors[rid]]), anchors[rid],
+                                       SamplingParams(1.0), gen) for rid in ("a", "b")])
+    for rid, block in zip(("a", "b"), blocks):
+        logits, conf = teacher_forced(model, ids, feats, anchors[rid], block.tokens)
+        assert torch.allclose(block.probs, torch.softmax(logits, -1), atol=1e-5)
+        assert torch.allclose(block.confidences, torch.sigmoid(conf), atol=1e-5)
+        assert model.context_length(rid) == anchors[rid]
+    assert model.context_length("c") == 0
+
+
 def test_markov_head_with_zero_w2_is_the_parallel_drafter():
     markov = make_drafter("markov")
     parallel = make_drafter("none", seed=5)

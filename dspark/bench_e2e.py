@@ -5,6 +5,9 @@ Rows (`--methods`, in this order):
 - `mtp1`: MTP-1-like, the DSpark drafter (`checkpoints/dspark-markov`) with `fixed:1`;
 - `dflash`: the DFlash drafter (`checkpoints/dflash`) verifying its full block, `fixed:gamma`;
 - `dspark`: DSpark (`checkpoints/dspark-markov`, STS calibration applied) with `async_topk`;
+- `dspark-paper`: the same with the paper's objective Theta = tau * SPS(B), which takes drafting
+  as free (`ThetaObjective.PAPER`); `dspark` charges a round that verifies drafts for drafting
+  them too (`SHARED_DEVICE`, the engine's default), as drafter and target share this CPU;
 - `hf-generate`: transformers `generate` on the same weights in this process;
 - `hf-prompt-lookup`: transformers prompt-lookup decoding (`prompt_lookup_num_tokens`).
 A row whose drafter checkpoint is missing is reported as missing.
@@ -52,6 +55,8 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
+from dspark.cost_table import ThetaObjective
+
 if TYPE_CHECKING:
     from dspark.engine import Engine
 
@@ -94,6 +99,9 @@ class RowSpec:
     """`dspark.evaluation.loading.METHODS` key naming the drafter's checkpoint folder."""
     policy: str = "none"
     """Admission policy of engine rows."""
+    objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
+    """What engine rows' admission maximises (EngineConfig.objective; only async_topk and
+    sync_greedy read it)."""
 
 
 ROWS: dict[str, RowSpec] = {r.name: r for r in (
@@ -101,6 +109,8 @@ ROWS: dict[str, RowSpec] = {r.name: r for r in (
     RowSpec("mtp1", "MTP-1-like (fixed:1)", RowKind.ENGINE, "mtp1", "fixed:1"),
     RowSpec("dflash", "DFlash (full block)", RowKind.ENGINE, "dflash", FULL_BLOCK),
     RowSpec("dspark", "DSpark (async_topk)", RowKind.ENGINE, "dspark", "async_topk"),
+    RowSpec("dspark-paper", "DSpark (async_topk, drafting taken as free)", RowKind.ENGINE, "dspark",
+            "async_topk", ThetaObjective.PAPER),
     RowSpec("hf-generate", "transformers generate", RowKind.HF_GENERATE),
     RowSpec("hf-prompt-lookup", "transformers prompt lookup", RowKind.HF_PROMPT_LOOKUP),
 )}
@@ -422,7 +432,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
             if policy == FULL_BLOCK:
                 policy = f"fixed:{drafter.gamma}"
             notes[name] = f"{policy}, gamma {drafter.gamma}"
-            if name == "dspark":  # the only row whose policy reads the confidences
+            if spec.policy == "async_topk":  # the only policy here that reads the confidences
                 calibrated = load_calibration(folder) is not None
                 notes[name] += ", STS calibrated" if calibrated else ", no calibration.json"
             runner = runners[layer_ids]
@@ -434,7 +444,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
             timed_drafter = TimedDrafter(drafter) if drafter is not None else None
             engine = Engine(verifier, timed_drafter, CostTable.from_dict(table.to_dict()),
                             EngineConfig(policy=policy, max_running=c,
-                                         sparse_top_k=args.sparse_top_k))
+                                         sparse_top_k=args.sparse_top_k, objective=spec.objective))
             engines[(name, c)] = EngineRow(engine, verifier, timed_drafter)
 
     hf_model = None

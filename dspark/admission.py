@@ -402,6 +402,12 @@ class Admitter:
         """``async_topk``: the K its last decision used (None for the other policies)."""
         return None if self._async is None else self._async.capacity_used
 
+    def planned_capacity(self) -> int | None:
+        """``async_topk``: the next step's K, decided ``lag`` steps ago (None: other policies, or
+        no history yet). It bounds the next step's admissions: a request's j-th draft is only
+        admitted with its first j - 1, so no draft past position K can be verified."""
+        return None if self._async is None else self._async.planned_capacity(self._step)
+
     def capacity_known_zero(self) -> bool:
         """``async_topk``: whether the next step's K, decided ``lag`` steps ago, is 0. Such a step
         verifies no drafts whatever the drafter returns, so the caller may skip drafting and call

@@ -136,7 +136,8 @@ class RoundRecord:
 
     request_ids: list[Hashable]
     confidences: torch.Tensor
-    """[num_requests, gamma] float32 c_k exactly as the drafter returned them."""
+    """[num_requests, positions drafted] float32 c_k exactly as the drafter returned them (the
+    whole block gamma unless async_topk drafted fewer, see Engine._positions_to_draft)."""
     num_admitted: list[int]
     """[num_requests] l_r: drafts sent to the target."""
     num_accepted: list[int]
@@ -227,14 +228,15 @@ class Engine:
         if drafting:
             self._rounds_without_draft = 0
             start = time.perf_counter()
+            num_positions = self._positions_to_draft(gamma)
             blocks = self.drafter.draft(
                 [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
                               r.generator) for r in running],
-                sparse_top_k=self.config.sparse_top_k)
+                sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
             mid = time.perf_counter()
-            confidences = torch.stack([b.confidences for b in blocks]).float()  # [R, gamma]
+            confidences = torch.stack([b.confidences for b in blocks]).float()  # [R, num_positions]
             # No request verifies more drafts than it may still emit (the bonus is the +1).
-            caps = np.array([max(0, min(gamma, r.max_tokens - len(r.output_ids) - 1))
+            caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
                              for r in running])
             lengths = self.admitter.admit(confidences, max_lengths=caps)
             end = time.perf_counter()
@@ -269,6 +271,15 @@ class Engine:
             outputs.append(self._emit(r, tokens))
         self._retire_finished()
         return outputs
+
+    def _positions_to_draft(self, gamma: int) -> int:
+        """Positions per block worth drafting this round. With `async_topk` and a known K, no
+        draft past position K can be admitted (Admitter.planned_capacity), so K + 1 positions are
+        drafted: the extra one lets the confidences of this round raise K for a later one. The
+        admitted drafts are the same as with whole blocks; K is the stale value, never this
+        round's tokens."""
+        planned = self.admitter.planned_capacity()
+        return gamma if planned is None else min(gamma, planned + 1)
 
     def _skip_drafting(self) -> bool:
         """Whether this round's K is known to be 0 (async_topk) and no probe is due."""

@@ -128,6 +128,30 @@ def test_async_topk_skips_drafting_when_capacity_is_zero(tiny_target, reference_
     assert done[0].output_ids == reference_greedy[0] and engine.stats.skipped_draft_rounds == 0
 
 
+def test_async_topk_drafts_only_the_positions_it_can_verify(tiny_target, reference_greedy):
+    """With K known (decided two rounds before), no draft past position K can be admitted, so
+    the drafter is asked for K + 1 positions (the whole block while K is unknown); greedy output
+    stays the target's."""
+    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=3)
+    inner, asked = engine.drafter, []
+
+    class Recording:
+        gamma = inner.gamma
+        append_context = inner.append_context
+        release = inner.release
+
+        def draft(self, requests, sparse_top_k=None, num_positions=None):
+            asked.append((engine.admitter.planned_capacity(), num_positions))
+            return inner.draft(requests, sparse_top_k=sparse_top_k, num_positions=num_positions)
+
+    engine.drafter = Recording()
+    done = engine.generate(PROMPTS[:2], SamplingParams(temperature=0), max_tokens=24)
+    assert [r.output_ids for r in done] == reference_greedy[:2]
+    assert asked and all(n == (GAMMA if k is None else min(GAMMA, k + 1)) for k, n in asked)
+    assert asked[0][1] == GAMMA and any(n < GAMMA for _, n in asked)
+
+
 def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, reference_greedy):
     """Drafting that costs more than any draft can save: the shared-device objective (the
     default) stops verifying drafts and so skips the drafter, the paper's objective (drafting

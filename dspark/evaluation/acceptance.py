@@ -211,9 +211,9 @@ class _FilledConfidences:
     def release(self, request_id: Hashable) -> None:
         self.inner.release(request_id)
 
-    def draft(self, requests: Sequence[DraftRequest],
-              sparse_top_k: int | None = None) -> list[DraftBlock]:
-        blocks = self.inner.draft(requests, sparse_top_k=sparse_top_k)
+    def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
+              num_positions: int | None = None) -> list[DraftBlock]:
+        blocks = self.inner.draft(requests, sparse_top_k=sparse_top_k, num_positions=num_positions)
         for b in blocks:
             b.confidences = torch.nan_to_num(b.confidences, nan=1.0)
         return blocks

@@ -134,8 +134,21 @@ class Drafter(Protocol):
 
     def release(self, request_id: Hashable) -> None: ...
 
-    def draft(self, requests: Sequence[DraftRequest],
-              sparse_top_k: int | None = None) -> list[DraftBlock]: ...
+    def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
+              num_positions: int | None = None) -> list[DraftBlock]:
+        """One block per request. `num_positions` (1..gamma; None = gamma): draft only the first
+        positions of each block. They are exactly the positions a whole block would have, since a
+        position depends only on the ones before it and on the block input."""
+        ...
+
+
+def positions_to_draft(num_positions: int | None, gamma: int) -> int:
+    """`num_positions` of `Drafter.draft` validated: 1..gamma, None meaning gamma."""
+    if num_positions is None:
+        return gamma
+    if not 1 <= num_positions <= gamma:
+        raise ValueError(f"num_positions must lie in 1..{gamma}, got {num_positions}")
+    return int(num_positions)
 
 
 @dataclass
@@ -630,7 +643,8 @@ def draw_uniforms(requests: Sequence[DraftRequest], count: int, device: torch.de
 
 def assemble_blocks(plan: RowPlan, samples: Sequence[PositionSample], confidences: torch.Tensor,
                     draft_to_target: torch.Tensor | None, vocab_size: int) -> list[DraftBlock]:
-    """Per-position samples (gamma of them) and confidences [R, gamma] -> one DraftBlock each."""
+    """Per-position samples (n of them, n <= gamma) and confidences [R, n] -> one DraftBlock each
+    (`gamma` below is the n positions drafted)."""
     R, gamma = plan.num_rows, len(samples)
     tokens = torch.stack([s.tokens for s in samples], dim=1)  # [R, gamma]
     if draft_to_target is not None:
@@ -922,18 +936,23 @@ class DSparkDrafter(FrozenTargetHead):
         return torch.stack(rows)
 
     @torch.no_grad()
-    def draft(self, requests: Sequence[DraftRequest],
-              sparse_top_k: int | None = None) -> list[DraftBlock]:
+    def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
+              num_positions: int | None = None) -> list[DraftBlock]:
         """Draft one block for each request in one backbone pass.
 
         sparse_top_k: if set, every sampled request draws from its top-k-truncated distribution
         and gets it back sparse (lossless: p^d is reported exactly). Greedy requests are always
         returned sparse with k = 1; requests with a top_k sampling parameter are sparse too.
+        num_positions: sample only the first n positions (the LM head and the sequential head
+        run n times instead of gamma). The backbone still runs over the whole block, whose input
+        (anchor + masks) every position attends to, so the n positions are exactly those of the
+        whole block; each request's generator advances by gamma uniforms either way.
         """
         self._check_ready()
         if not requests:
             return []
         cfg, gamma = self.config, self.gamma
+        n = positions_to_draft(num_positions, gamma)
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
         R = len(requests)
         self._absorb_pending([r.request_id for r in requests])
@@ -957,8 +976,8 @@ class DSparkDrafter(FrozenTargetHead):
         cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward_cached(x, cos, sin, contexts, i, masks)
-        hn = self.norm(x)  # [R, gamma, hidden]
-        base = self.base_logits(hn)  # [R, gamma, V_d]
+        hn = self.norm(x)[:, :n]  # [R, n, hidden]
+        base = self.base_logits(hn)  # [R, n, V_d]
 
         plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
         uniforms = None if plan.all_greedy else draw_uniforms(requests, gamma, device)  # [R, gamma]
@@ -967,7 +986,7 @@ class DSparkDrafter(FrozenTargetHead):
         state = (self.markov_head.initial_state((R,), hn)
                  if self.markov_head is not None else None)
         samples, confidences = [], []
-        for k in range(gamma):
+        for k in range(n):
             logits_k = base[:, k]  # [R, V_d]
             w1_prev = None
             if self.markov_head is not None:

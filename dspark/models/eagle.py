@@ -38,6 +38,7 @@ from dspark.models.drafter import (
     FrozenTargetHead,
     RMSNorm,
     plan_rows,
+    positions_to_draft,
     apply_rope,
     assemble_blocks,
     draw_uniforms,
@@ -250,13 +251,15 @@ class EagleDrafter(FrozenTargetHead):
         return self._cache.length(request_id)
 
     @torch.no_grad()
-    def draft(self, requests: Sequence[DraftRequest],
-              sparse_top_k: int | None = None) -> list[DraftBlock]:
-        """Draft gamma tokens per request, one single-layer pass per token for all requests."""
+    def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
+              num_positions: int | None = None) -> list[DraftBlock]:
+        """Draft gamma tokens per request (or the first `num_positions`), one single-layer pass
+        per token for all requests."""
         self._check_ready()
         if not requests:
             return []
         cfg, gamma = self.config, self.gamma
+        n = positions_to_draft(num_positions, gamma)
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
         R = len(requests)
         layer, attn = self.midlayer, self.midlayer.self_attn
@@ -281,7 +284,7 @@ class EagleDrafter(FrozenTargetHead):
         reduced = cfg.draft_vocab_size is not None
         chain_k = chain_v = None
         samples, confidences = [], []
-        for s in range(gamma):
+        for s in range(n):
             x2 = layer.layer_input(F.embedding(prev, self.embed_weight).unsqueeze(1), hidden)
             cos, sin = self._rope((anchor_pos + s).unsqueeze(1), dtype)  # [R, 1, hd]
             k_s, v_s = attn.project_kv(x2, cos, sin)  # [R, kv, 1, hd]

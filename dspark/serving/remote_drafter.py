@@ -27,7 +27,7 @@ from typing import Callable, Hashable, Sequence
 import grpc
 import torch
 
-from dspark.models.drafter import DraftBlock, DraftRequest
+from dspark.models.drafter import DraftBlock, DraftRequest, positions_to_draft
 from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import channel
 from dspark.serving.protos import pb, rpc
@@ -128,23 +128,25 @@ class RemoteDrafter:
         else:
             self._releases.append(rid)
 
-    def draft(self, requests: Sequence[DraftRequest],
-              sparse_top_k: int | None = None) -> list[DraftBlock]:
+    def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
+              num_positions: int | None = None) -> list[DraftBlock]:
+        n = positions_to_draft(num_positions, self.gamma)
         if self._stream is None and time.monotonic() >= self._next_retry:
             self._reconnect()
         if self._stream is None:
-            return self._fallback(requests, sparse_top_k)
+            return self._fallback(requests, n)
         round_id = self._next_round()
         msg = pb.drafter.DraftRound(round_id=round_id, sparse_top_k=sparse_top_k or 0,
                                     context=self._pending_updates(),
-                                    requests=[self._item(r) for r in requests])
+                                    requests=[self._item(r) for r in requests],
+                                    num_positions=0 if n == self.gamma else n)
         msg.trace_context.update(dict(outgoing_metadata()))
         self._stream.send(msg)
         try:
-            return self._collect(round_id, requests)
+            return self._collect(round_id, requests, n)
         except (grpc.RpcError, ConnectionError, TimeoutError, ValueError):
             self._mark_down()
-            return self._fallback(requests, sparse_top_k)
+            return self._fallback(requests, n)
 
     # -- the stream -------------------------------------------------------------------------
     def _next_round(self) -> int:
@@ -169,7 +171,8 @@ class RemoteDrafter:
             ctx.unsent, ctx.reset = 0, False
         return updates
 
-    def _collect(self, round_id: int, requests: Sequence[DraftRequest]) -> list[DraftBlock]:
+    def _collect(self, round_id: int, requests: Sequence[DraftRequest],
+                 num_positions: int) -> list[DraftBlock]:
         wanted = {str(r.request_id) for r in requests}
         blocks: dict[str, DraftBlock] = {}
         deadline = time.monotonic() + self.draft_timeout
@@ -182,8 +185,8 @@ class RemoteDrafter:
                 raise msg
             if msg.round_id == round_id and msg.request_id in wanted:
                 block = messages.block_from_pb(msg)
-                if block.gamma != self.gamma:
-                    raise ValueError(f"drafter sent a block of {block.gamma}, expected {self.gamma}")
+                if block.gamma != num_positions:
+                    raise ValueError(f"drafter sent a block of {block.gamma}, expected {num_positions}")
                 blocks[msg.request_id] = block
         return [blocks[str(r.request_id)] for r in requests]
 
@@ -219,9 +222,9 @@ class RemoteDrafter:
             self.on_state_change(True)
 
     # -- fallback ---------------------------------------------------------------------------
-    def _fallback(self, requests: Sequence[DraftRequest], sparse_top_k: int | None) -> list[DraftBlock]:
+    def _fallback(self, requests: Sequence[DraftRequest], num_positions: int) -> list[DraftBlock]:
         self.fallback_rounds += 1
-        return fallback_blocks(requests, self.gamma)
+        return fallback_blocks(requests, num_positions)
 
     def close(self) -> None:
         if self._stream is not None:

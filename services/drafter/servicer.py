@@ -76,7 +76,9 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
                                          messages.sampling_from_pb(item.sampling),
                                          self._generators[item.request_id]))
         top_k = round_msg.sparse_top_k or None
-        return self.drafter.draft(requests, sparse_top_k=top_k) if requests else []
+        num_positions = round_msg.num_positions or None  # validated by the drafter (ValueError)
+        return (self.drafter.draft(requests, sparse_top_k=top_k, num_positions=num_positions)
+                if requests else [])
 
     def _apply_context(self, update) -> None:
         if update.reset:

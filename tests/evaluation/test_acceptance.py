@@ -150,7 +150,8 @@ class OracleDrafter:
         self.tokens.pop(request_id, None)
 
     @torch.no_grad()
-    def draft(self, requests, sparse_top_k=None):
+    def draft(self, requests, sparse_top_k=None, num_positions=None):
+        assert num_positions in (None, self.gamma)  # fixed:gamma drafts whole blocks
         blocks = []
         for r in requests:
             seq = self.tokens[r.request_id]

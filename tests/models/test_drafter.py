@@ -181,6 +181,42 @@ def test_pending_context_is_absorbed_at_draft_time(inject):
     assert model.context_length("c") == 0
 
 
+@pytest.mark.parametrize("head,inject", [("markov", False), ("rnn", False), ("none", True)])
+def test_first_positions_are_those_of_the_whole_block(head, inject):
+    """draft(num_positions=n) returns exactly the first n positions of the whole block (same
+    generator states), greedy, dense-sampled and sparse alike; and it leaves each request's
+    generator where a whole block would."""
+    model = make_drafter(head, inject=inject)
+    ids, feats = sequence(T=16)
+    for rid in ("g", "s"):
+        model.append_context(rid, feats[0, :10], torch.arange(10))
+
+    def requests():
+        return [DraftRequest("g", int(ids[0, 10]), 10, SamplingParams(0.0)),
+                DraftRequest("s", int(ids[0, 10]), 10, SamplingParams(1.0),
+                             torch.Generator().manual_seed(5))]
+
+    for sparse_top_k in (None, 6):
+        whole = model.draft(requests(), sparse_top_k=sparse_top_k)
+        for n in (1, 2, GAMMA):
+            reqs = requests()
+            part = model.draft(reqs, sparse_top_k=sparse_top_k, num_positions=n)
+            for w, p in zip(whole, part):
+                assert p.gamma == n and torch.equal(p.tokens, w.tokens[:n])
+                assert torch.allclose(p.probs, w.probs[:n], atol=1e-6)
+                assert torch.allclose(p.confidences, w.confidences[:n], atol=1e-6, equal_nan=True)
+                assert (p.indices is None) == (w.indices is None)
+                if p.indices is not None:
+                    assert torch.equal(p.indices, w.indices[:n])
+            after = torch.rand(1, generator=reqs[1].generator)
+            reference = requests()[1].generator
+            torch.rand(GAMMA, generator=reference)
+            assert torch.equal(after, torch.rand(1, generator=reference))
+    for bad in (0, GAMMA + 1):
+        with pytest.raises(ValueError, match="num_positions"):
+            model.draft(requests(), num_positions=bad)
+
+
 def test_markov_head_with_zero_w2_is_the_parallel_drafter():
     markov = make_drafter("markov")
     parallel = make_drafter("none", seed=5)

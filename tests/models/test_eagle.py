@@ -82,6 +82,22 @@ def test_token_by_token_drafting_equals_the_ttt_forward():
     assert model.context_length("r") == length
 
 
+def test_first_positions_are_those_of_the_whole_block():
+    model = make_eagle()
+    ids, feats = sequence(T=16)
+    model.append_context("r", feats[0, :9], torch.arange(9), ids[0, :9])
+
+    def request():
+        return [DraftRequest("r", int(ids[0, 9]), 9, SamplingParams(1.0), torch.Generator().manual_seed(2))]
+
+    whole = model.draft(request())[0]
+    for n in (1, 3):
+        part = model.draft(request(), num_positions=n)[0]
+        assert part.gamma == n and torch.equal(part.tokens, whole.tokens[:n])
+        assert torch.allclose(part.probs, whole.probs[:n], atol=1e-6)
+        assert torch.allclose(part.confidences, whole.confidences[:n], atol=1e-6)
+
+
 def test_only_context_before_the_anchor_matters():
     model = make_eagle()
     ids, feats = sequence()

@@ -28,8 +28,8 @@ class FallbackDrafter:
     def release(self, request_id) -> None:
         pass
 
-    def draft(self, requests, sparse_top_k=None):
-        return fallback_blocks(requests, self.gamma)
+    def draft(self, requests, sparse_top_k=None, num_positions=None):
+        return fallback_blocks(requests, num_positions or self.gamma)
 
 
 def engine(tiny_models, policy: str) -> Engine:

@@ -1,0 +1,64 @@
+"""RemoteDrafter against a real drafter service process: blocks equal the in-process drafter's,
+whole or cut to the first positions (`num_positions`, the scheduler's capacity), and a bad
+position count is refused as INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from dspark.evaluation.loading import load_method_drafter, load_target
+from dspark.models.drafter import DraftRequest
+from dspark.sampling import SamplingParams
+from dspark.serving.grpc_runtime import channel
+from dspark.serving.local_stack import wait_grpc
+from dspark.serving.protos import pb, rpc
+from dspark.serving.remote_drafter import RemoteDrafter
+from dspark.serving.tiny_models import LAYER_IDS
+
+
+@pytest.fixture(scope="module")
+def drafter_service(launcher):
+    proc, address = launcher.drafter("drafter_positions")
+    wait_grpc(proc, address)
+    yield address
+    proc.stop()
+
+
+def test_first_positions_match_the_in_process_drafter(drafter_service, tiny_models):
+    runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=1024)
+    local = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
+    remote = RemoteDrafter(drafter_service)
+    try:
+        gamma = remote.gamma
+        assert gamma == local.gamma
+        g = torch.Generator().manual_seed(0)
+        features = torch.randn(9, local.fc.in_features, generator=g)
+        tokens = torch.randint(4, 60, (9,), generator=g)
+        for d in (local, remote):
+            d.append_context("r", features, torch.arange(9), tokens)
+        request = [DraftRequest("r", 11, 9, SamplingParams(temperature=0))]
+        whole = local.draft(request)[0]
+        for n in (None, 1, 2):
+            got = remote.draft(request, num_positions=n)[0]
+            expected_len = gamma if n is None else n
+            assert got.gamma == expected_len
+            assert torch.equal(got.tokens, whole.tokens[:expected_len])
+            assert torch.allclose(got.confidences, whole.confidences[:expected_len], atol=1e-5)
+        with pytest.raises(ValueError, match="num_positions"):
+            remote.draft(request, num_positions=gamma + 1)
+    finally:
+        remote.close()
+
+
+def test_bad_position_count_is_invalid_argument(drafter_service):
+    item = pb.drafter.DraftItem(request_id="x", anchor_token=5, anchor_position=0,
+                                sampling=pb.common.SamplingParams(temperature=0.0, top_p=1.0))
+    round_msg = pb.drafter.DraftRound(round_id=1, requests=[item], num_positions=99)
+    with channel(drafter_service) as ch:
+        stub = rpc.drafter.DrafterStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Draft(iter([round_msg]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "num_positions" in err.value.details()

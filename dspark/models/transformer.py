@@ -106,7 +106,6 @@ class FlatBatch:
     def prepare(self, impl: AttentionImpl, group: int, cache: PagedKVCache) -> None:
         """Build the attention masks and context views `impl` needs (once per forward, before the layers)."""
         device = self.token_ids.device
-        block_size = cache.manager.block_size
         if impl is AttentionImpl.PER_REQUEST:
             self.bind_cache(cache)
             self.masks = []
@@ -121,6 +120,7 @@ class FlatBatch:
         else:
             assert not any(self.context_in_place), "the block-diagonal mask spans gathered contexts only"
             num_requests = len(self.query_lens)
+            block_size = cache.manager.block_size
             request_of_token = torch.repeat_interleave(
                 torch.arange(num_requests, device=device),
                 torch.tensor(self.query_lens, device=device))  # [num_tokens]
@@ -318,8 +318,6 @@ class Attention(nn.Module):
                 outs.append(out_r.view(self.num_kv_heads, self.group, q_len, self.head_dim).permute(2, 0, 1, 3))
             q_start += q_len
         return torch.cat(outs, dim=0)  # [num_tokens, num_kv_heads, group, head_dim]
-
-        return self.o_proj(out)
 
 
 class MLP(nn.Module):

@@ -10,6 +10,11 @@ short one-liner sources (nl2bash, nq_open) do not dominate; math prompts get the
 "reason step by step" suffix and code prompts the HumanEval prefix, so answers come in the style
 the eval prompts ask for. The evaluation prompts are never used here.
 
+On a GPU our runner's per-request attention loop is launch-bound, so `--engine transformers`
+answers with transformers' batched `generate` instead (left-padded batches of similar prompt
+length, the same temperature / top-k / top-p applied in the same order): the same distribution,
+many times the throughput there. `--time-budget-s` stops starting new batches after that long.
+
 Output: one JSON object per answered prompt, appended to a `.jsonl` as soon as it finishes, so an
 interrupted run resumes where it stopped (prompts already in the file are skipped):
 `{"id", "source", "split", "prompt_ids", "answer_ids", "finished"}`, where `split` is `train` or
@@ -23,6 +28,7 @@ import gzip
 import hashlib
 import json
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -41,6 +47,9 @@ SOURCE_WEIGHTS: dict[str, float] = {
     "gpteacher_roleplay": 0.12, "awesome_chatgpt_prompts": 0.08, "self_instruct_seed": 0.04,
     "nq_open": 0.12,
 }
+
+
+ENGINES = ("runner", "transformers")
 
 
 @dataclass(frozen=True)
@@ -62,10 +71,18 @@ class DataGenConfig:
     heldout_fraction: float = 0.1
     seed: int = 0
     dtype: str = "float32"
+    engine: str = "runner"
+    """"runner" (our target runner, continuous batching) or "transformers" (batched `generate`)."""
+    device: str = "cpu"
+    """Where the transformers engine runs ("cuda" on a GPU); the runner always runs on the CPU."""
+    time_budget_s: float | None = None
+    """Stop starting new work after this many seconds (None: answer every prompt)."""
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("num_prompts, max_new_tokens and batch_size must be >= 1")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError("heldout_fraction must be in [0, 1)")
 
@@ -167,7 +184,8 @@ def repair_data_file(path: Path) -> bool:
 
 def generate_answers(runner, prompts: list[tuple[str, list[int]]], *, max_new_tokens: int,
                      batch_size: int, sampling: SamplingParams, eos_token_ids: set[int],
-                     generator: torch.Generator | None = None) -> Iterator[tuple[str, list[int], bool]]:
+                     generator: torch.Generator | None = None, deadline: float | None = None
+                     ) -> Iterator[tuple[str, list[int], bool]]:
     """Answer many prompts with continuous batching through the target runner.
 
     prompts: (key, prompt token ids). Yields (key, answer ids, finished_by_eos) as each finishes.
@@ -179,6 +197,10 @@ def generate_answers(runner, prompts: list[tuple[str, list[int]]], *, max_new_to
     row_params = None
     while pending or active:
         items = []
+        if deadline is not None and time.monotonic() > deadline:
+            pending = []  # finish what is in flight, admit nothing new
+            if not active:
+                return
         while pending and len(active) < batch_size:
             key, ids = pending.pop()
             active[key] = []
@@ -202,6 +224,56 @@ def generate_answers(runner, prompts: list[tuple[str, list[int]]], *, max_new_to
                 yield item.request_id, answer, eos
 
 
+def generate_answers_transformers(model, prompts: list[tuple[str, list[int]]], *,
+                                  max_new_tokens: int, batch_size: int, sampling: SamplingParams,
+                                  eos_token_ids: set[int], pad_token_id: int, seed: int = 0,
+                                  deadline: float | None = None
+                                  ) -> Iterator[tuple[str, list[int], bool]]:
+    """Answer many prompts with transformers' `generate` in left-padded batches.
+
+    prompts: (key, prompt token ids), batched by length so a batch pads little, the batches in a
+    seeded random order. Yields
+    (key, answer ids up to and including the first EOS, finished_by_eos) per prompt, a batch at a
+    time. Sampling applies temperature, then top-k, then top-p, as `dspark.sampling` does
+    (temperature 0 = greedy). Batch b is seeded with seed + b.
+    """
+    from transformers import GenerationConfig
+
+    greedy = sampling.temperature == 0.0
+    # A fresh config: the model folder's generation_config.json must not add its own defaults.
+    gen_config = GenerationConfig(
+        do_sample=not greedy, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_token_ids),
+        pad_token_id=pad_token_id,
+        **({} if greedy else {"temperature": sampling.temperature, "top_k": sampling.top_k or None,
+                              "top_p": sampling.top_p}))
+    by_length = sorted(prompts, key=lambda kp: len(kp[1]))
+    batches = [by_length[i:i + batch_size] for i in range(0, len(by_length), batch_size)]
+    random.Random(seed).shuffle(batches)  # a time budget must not keep only the short prompts
+    for b, chunk in enumerate(batches):
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        width = max(len(ids) for _, ids in chunk)
+        input_ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.int64)  # [n, width]
+        attention_mask = torch.zeros(len(chunk), width, dtype=torch.int64)
+        for row, (_, ids) in enumerate(chunk):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        torch.manual_seed(seed + b)
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids.to(model.device),
+                                 attention_mask=attention_mask.to(model.device),
+                                 generation_config=gen_config)  # [n, width + new]
+        for (key, _), row in zip(chunk, out[:, width:].tolist()):
+            answer: list[int] = []
+            finished = False
+            for token in row[:max_new_tokens]:
+                answer.append(token)
+                if token in eos_token_ids:
+                    finished = True
+                    break
+            yield key, answer, finished
+
+
 def run_generation(config: DataGenConfig) -> dict:
     """Generate (or resume) the data file; returns counts."""
     from transformers import AutoTokenizer
@@ -220,17 +292,29 @@ def run_generation(config: DataGenConfig) -> dict:
     prompt_ids = dict(encoded)
     eos = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")}
     eos.discard(None)
-    runner = TargetRunner(config.model_dir, RunnerConfig(
-        dtype=config.dtype, kv_cache_tokens=config.batch_size * 2048))
-    generator = torch.Generator().manual_seed(config.seed)
+    deadline = None if config.time_budget_s is None else time.monotonic() + config.time_budget_s
+    if config.engine == "transformers":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            config.model_dir, dtype=getattr(torch, config.dtype)).to(config.device).eval()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        answers = generate_answers_transformers(
+            model, encoded, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
+            sampling=config.sampling, eos_token_ids=eos, pad_token_id=pad, seed=config.seed,
+            deadline=deadline)
+    else:
+        runner = TargetRunner(config.model_dir, RunnerConfig(
+            dtype=config.dtype, kv_cache_tokens=config.batch_size * 2048))
+        answers = generate_answers(
+            runner, encoded, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
+            sampling=config.sampling, eos_token_ids=eos,
+            generator=torch.Generator().manual_seed(config.seed), deadline=deadline)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     new_tokens = 0
     with _open(config.out, "a") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                            desc="answers", unit="ans") as bar:
-        for key, answer, finished in generate_answers(
-                runner, encoded, max_new_tokens=config.max_new_tokens,
-                batch_size=config.batch_size, sampling=config.sampling,
-                eos_token_ids=eos, generator=generator):
+        for key, answer, finished in answers:
             p = by_id[key]
             f.write(json.dumps({"id": p.id, "source": p.source,
                                 "split": split_of(p.id, config.heldout_fraction),
@@ -275,6 +359,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heldout-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--engine", default="runner", choices=ENGINES,
+                        help="runner: our target runner (CPU); transformers: batched generate "
+                             "(the fast path on a GPU)")
+    parser.add_argument("--device", default="cpu", help="device of the transformers engine")
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="stop starting new answers after this many seconds")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -291,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
     config = DataGenConfig(model_dir=Path(model_dir), train_dir=args.train_dir or default_train_dir(),
                            out=args.out, num_prompts=args.num_prompts,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                           heldout_fraction=args.heldout_fraction, seed=args.seed, dtype=args.dtype)
+                           heldout_fraction=args.heldout_fraction, seed=args.seed, dtype=args.dtype,
+                           engine=args.engine, device=args.device,
+                           time_budget_s=args.time_budget_s)
     print(json.dumps(run_generation(config)))
     return 0

@@ -13,6 +13,7 @@ from dspark.sampling import SamplingParams
 from dspark.training.data import (
     MATH_SUFFIX,
     generate_answers,
+    generate_answers_transformers,
     read_records,
     repair_data_file,
     select_prompts,
@@ -30,7 +31,7 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_runner(tmp_path_factory):
+def tiny_folder(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -38,7 +39,19 @@ def tiny_runner(tmp_path_factory):
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     folder = tmp_path_factory.mktemp("tiny")
     LlamaForCausalLM(config).save_pretrained(folder)
-    return TargetRunner(folder, RunnerConfig(kv_cache_tokens=4096))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_folder):
+    return TargetRunner(tiny_folder, RunnerConfig(kv_cache_tokens=4096))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_model(tiny_folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
 
 
 def test_continuous_batching_answers_equal_plain_greedy(tiny_runner):
@@ -58,6 +71,47 @@ def test_eos_ends_an_answer_and_is_kept(tiny_runner):
         tiny_runner, [("a", [1, 2, 3])], max_new_tokens=12, batch_size=4,
         sampling=SamplingParams(temperature=0), eos_token_ids={eos}))
     assert answer == full[:full.index(eos) + 1] and finished
+
+
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+
+def test_transformers_engine_greedy_equals_our_runner(tiny_runner, tiny_hf_model):
+    """Left-padded batches of different prompt lengths give each prompt its own greedy answer."""
+    expected = generate_greedy(tiny_runner, PROMPTS, max_new_tokens=12)
+    got = {key: (answer, eos) for key, answer, eos in generate_answers_transformers(
+        tiny_hf_model, [(f"p{i}", p) for i, p in enumerate(PROMPTS)], max_new_tokens=12,
+        batch_size=3, sampling=SamplingParams(temperature=0), eos_token_ids={49}, pad_token_id=0)}
+    assert set(got) == {f"p{i}" for i in range(len(PROMPTS))}
+    for i, answer in enumerate(expected):
+        cut = answer[:answer.index(49) + 1] if 49 in answer else answer
+        assert got[f"p{i}"] == (cut, 49 in answer)
+
+
+def test_transformers_engine_cuts_at_eos_and_samples_reproducibly(tiny_runner, tiny_hf_model):
+    full = generate_greedy(tiny_runner, [[1, 2, 3]], max_new_tokens=12)[0]
+    eos = full[4]
+    ((_, answer, finished),) = list(generate_answers_transformers(
+        tiny_hf_model, [("a", [1, 2, 3])], max_new_tokens=12, batch_size=4,
+        sampling=SamplingParams(temperature=0), eos_token_ids={eos}, pad_token_id=0))
+    assert answer == full[:full.index(eos) + 1] and finished
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+    runs = [list(generate_answers_transformers(
+        tiny_hf_model, [(f"p{i}", p) for i, p in enumerate(PROMPTS)], max_new_tokens=8,
+        batch_size=2, sampling=params, eos_token_ids=set(), pad_token_id=0, seed=s))
+        for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert all(len(answer) == 8 and not eos for _, answer, eos in runs[0])
+
+
+def test_a_spent_time_budget_starts_no_new_work(tiny_runner, tiny_hf_model):
+    prompts = [(f"p{i}", p) for i, p in enumerate(PROMPTS)]
+    greedy = SamplingParams(temperature=0)
+    assert list(generate_answers_transformers(
+        tiny_hf_model, prompts, max_new_tokens=4, batch_size=2, sampling=greedy,
+        eos_token_ids=set(), pad_token_id=0, deadline=0.0)) == []
+    assert list(generate_answers(tiny_runner, prompts, max_new_tokens=4, batch_size=2,
+                                 sampling=greedy, eos_token_ids=set(), deadline=0.0)) == []
 
 
 def write_prompts(folder, source, domain, n):

@@ -20,6 +20,7 @@ synthetic data, and prints the timings: a cheap first call that shows the real r
 how large it can be.
 
     python scripts/gpu_drafters.py --gguf G --tokenizer-dir D --prompts P --work W --out O
+    (tests/training/test_gpu_drafters_script.py runs both modes on the CPU at tiny sizes)
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def prepare_target(args: argparse.Namespace, folder: Path) -> None:
     if args.smoke:  # a random model of the real shape
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    elif args.target_dir is not None:  # an already converted folder
+        model = AutoModelForCausalLM.from_pretrained(args.target_dir, dtype=torch.float32)
     else:
         gguf = Path(args.gguf)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -154,7 +157,10 @@ def pack(work: Path, out: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", default=None)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--gguf", default=None, help="the target as GGUF (dequantised here)")
+    source.add_argument("--target-dir", type=Path, default=None,
+                        help="the target as a transformers folder")
     p.add_argument("--tokenizer-dir", type=Path, required=True)
     p.add_argument("--prompts", type=Path, required=True, help="training prompt folder")
     p.add_argument("--work", type=Path, required=True)
@@ -178,6 +184,8 @@ def main() -> int:
     p.add_argument("--pack-reserve-s", type=float, default=45)
     p.add_argument("--min-steps", type=int, default=50)
     args = p.parse_args()
+    if not args.smoke and args.gguf is None and args.target_dir is None:
+        p.error("give --gguf or --target-dir (or --smoke)")
 
     t0 = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = True

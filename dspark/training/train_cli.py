@@ -52,6 +52,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-from-target-layers", type=_int_list, default=None,
                         help="comma-separated target layer ids: warm-start drafter layer i from "
                              "the i-th (default: random init)")
+    parser.add_argument("--init-from-drafter", default=None,
+                        help="continue from a saved drafter folder (fresh optimizer and schedule)")
     parser.add_argument("--steps", type=int, default=d["steps"].default)
     parser.add_argument("--batch", type=int, default=d["batch_size"].default, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=d["num_anchors"].default,
@@ -97,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         draft_vocab_size=args.draft_vocab, mask_token_id=args.mask_token_id,
         enable_confidence_head=not args.no_confidence_head,
         init_layers_from=args.init_from_target_layers, markov_init=args.markov_init,
-        inject_last_context=args.inject_last_context,
+        inject_last_context=args.inject_last_context, init_from_drafter=args.init_from_drafter,
         steps=args.steps,
         batch_size=args.batch, num_anchors=args.anchors, max_seq_len=args.max_seq_len, lr=args.lr,
         min_lr_ratio=args.min_lr_ratio, output_norm_lr_scale=args.output_norm_lr_scale,

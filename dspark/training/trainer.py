@@ -86,6 +86,10 @@ class TrainConfig:
     init_layers_from: list[int] | None = None
     """Warm start: drafter layer i starts as a copy of target layer init_layers_from[i] (attention,
     MLP, norms; q/k norms stay 1) and the final norm as the target's. None = random init."""
+    init_from_drafter: str | None = None
+    """Continue from a saved drafter folder (`save_drafter` output): its weights replace every
+    other start (target layers, bigram head); the optimizer and schedule start fresh. Its config
+    and draft vocabulary must be the ones this config builds."""
     inject_last_context: bool = False
     """DSpark/DFlash: add the last context token's fused state to every block input
     (`DrafterConfig.inject_last_context`), a direct path to the most recent target features."""
@@ -463,6 +467,8 @@ class Trainer:
                 t2d)
             with torch.no_grad():  # U_k ~ 0 at first: the drafter starts near the bigram model
                 self.model.norm.weight.mul_(BIGRAM_START_BACKBONE_SCALE)
+        if cfg.init_from_drafter is not None:
+            self._load_drafter_weights(cfg.init_from_drafter)
         decay, no_decay, gain = [], [], []
         for name, p in self.model.named_parameters():
             (gain if name == "norm.weight" else decay if p.dim() >= 2 else no_decay).append(p)
@@ -482,6 +488,21 @@ class Trainer:
         self._teacher_cache_bytes = 0
         if cfg.resume and (self.ckpt_dir / "trainer_state.pt").exists():
             self._load_checkpoint()
+
+    def _load_drafter_weights(self, folder: str) -> None:
+        from dspark.models.drafter_io import draft_token_ids_from, load_drafter, read_checkpoint
+
+        config, tensors = read_checkpoint(folder)
+        ids = draft_token_ids_from(tensors, config)
+        if (ids is None) != (self.draft_ids is None) or (
+                ids is not None and not torch.equal(ids.cpu(), self.draft_ids.cpu())):
+            raise ValueError(f"{folder}: its draft vocabulary is not the one this data selects")
+        source = load_drafter(folder, self.teacher.embed_weight.cpu().float(),
+                              self.teacher.lm_head_weight.cpu().float())
+        try:
+            self.model.load_state_dict(source.state_dict(), strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"{folder}: not a drafter of this configuration: {exc}") from exc
 
     # ---- data stream ---------------------------------------------------------------------------
 

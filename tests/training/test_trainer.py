@@ -281,3 +281,20 @@ def test_output_norm_learning_rate_and_last_context_injection(target_dir, data_p
         config(target_dir, data_path, tmp_path, method="eagle", inject_last_context=True)
     with pytest.raises(ValueError, match="learning-rate"):
         config(target_dir, data_path, tmp_path, output_norm_lr_scale=0.0)
+
+
+def test_continue_from_a_saved_drafter(target_dir, data_path, tmp_path):
+    """init_from_drafter starts from the saved weights exactly (over any other start), and refuses
+    a drafter of another shape."""
+    first = Trainer(config(target_dir, data_path, tmp_path / "a", num_layers=2, steps=2,
+                           markov_rank=8, save_dtype="float32"))
+    first.run()
+    again = Trainer(config(target_dir, data_path, tmp_path / "b", num_layers=2, steps=2,
+                           markov_rank=8, markov_init="bigram", init_layers_from=[4, 5],
+                           init_from_drafter=str(tmp_path / "a")))
+    saved = first.model.state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in again.model.state_dict().items())
+    assert again.step == 0 and again.scheduler.last_epoch == 0
+    with pytest.raises(ValueError, match="not a drafter of this configuration"):
+        Trainer(config(target_dir, data_path, tmp_path / "c", num_layers=1, markov_rank=8,
+                       init_from_drafter=str(tmp_path / "a")))

@@ -6,7 +6,9 @@ the given methods and checkpoints folder, then prints:
 - the goal ratios: DSpark tau / DFlash tau (goal >= 1.15) and DSpark tau / Eagle-style tau
   (goal >= 1.25), and acceptance at k=3 over k=1 for DSpark and DFlash (DFlash should decay
   along the block, DSpark stay flatter);
-- DSpark's calibration, macro-averaged: ECE per position after STS (goal <= 2%) and AUC (>= 0.8).
+- DSpark's calibration, macro-averaged: ECE per position after STS (goal <= 2%) and AUC (>= 0.8),
+  with the ECE floor: what a perfectly calibrated predictor would show on the same number of
+  rounds (at 10 prompts a set, about 750 rounds, that is already 3-4% at k=1).
 The last stdout line is one JSON object. Usage:
 
     .venv/bin/python bench/eval_suite.py --checkpoints checkpoints --limit 10 --max-tokens 128 \
@@ -98,12 +100,13 @@ def main() -> int:
         if "ece_after" in next(iter(per_set.values()))["dspark"]:
             summary["dspark"]["ece_before"] = macro(per_set, "dspark", "ece_before")
             summary["dspark"]["ece_after"] = macro(per_set, "dspark", "ece_after")
+            summary["dspark"]["ece_floor"] = macro(per_set, "dspark", "ece_floor")
             summary["dspark"]["auc"] = macro(per_set, "dspark", "auc")
             print("\nDSpark calibration, macro-average\n")
             print("| metric | " + " | ".join(f"k={k}" for k in range(1, gamma + 1)) + " |")
             print("|---|" + "---:|" * gamma)
             for key, scale, unit in (("ece_before", 100, "%"), ("ece_after", 100, "%"),
-                                     ("auc", 1, "")):
+                                     ("ece_floor", 100, "%"), ("auc", 1, "")):
                 print(f"| {key} | " + " | ".join(f"{scale * v:.2f}{unit}" if math.isfinite(v)
                                                  else "-" for v in summary["dspark"][key]) + " |")
     if goals:

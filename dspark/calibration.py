@@ -13,7 +13,16 @@ Glossary
 - STS: for k = 1..gamma in order, pick ``T_k`` from a grid so that the ECE of
   ``a_k = a_{k-1}' * sigmoid(logit(c_k) / T_k)`` against ``survived[:, k-1]`` is smallest, with
   the already-fitted ``T_1..T_{k-1}`` held fixed (``a_{k-1}'`` is the calibrated prefix).
-  A temperature is a strictly increasing map of ``c_k``, so the ranking of the raw head is kept
+- Shifted STS (``fit_sts(..., shift=True)``, our extension): the same sequential fit of the map
+  ``sigmoid(logit(c_k) / T_k + b_k)``, searching ``T_k`` and a shift ``b_k`` together. A
+  temperature alone cannot move the mean of predictions that sit on the wrong side of the
+  observed rate without also spreading them (a head trained on other contexts over-predicts
+  everywhere); the shift can. With two parameters, ECE is no longer a safe objective: it is
+  minimised by a near-constant prediction at the base rate (a huge ``T_k``), which keeps the
+  order but throws away the head's sharpness (Brier score worse than raw). So the shifted fit
+  minimises the log-loss of the cumulative product ``a_k`` against prefix survival (a proper
+  scoring rule: sequential Platt scaling), and ECE is what it is then measured by.
+  Both maps are strictly increasing in ``c_k``, so the ranking of the raw head is kept
   (the *conditional* AUC per position below is unchanged up to float rounding; the AUC of the
   cumulative product can change, since positions get different temperatures).
 
@@ -42,7 +51,10 @@ CALIBRATION_FILENAME = "calibration.json"
 """Name of the file written beside a drafter checkpoint."""
 
 _FORMAT = "dspark.sts"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+"""Version 2 holds a list of fits, each with optional ``biases`` (shifts) and the sampling
+temperature it was fitted at; version-1 files (one fit, temperatures only) still load, and a
+single plain fit is still written as version 1."""
 
 ArrayLike = Any  # numpy array, torch tensor, or nested sequence of numbers
 
@@ -117,6 +129,29 @@ def _ece_many(preds: np.ndarray, observed: np.ndarray, num_bins: int) -> np.ndar
     sum_obs = np.bincount(flat, weights=np.tile(observed, num_candidates), minlength=size)
     diff = np.abs(sum_pred - sum_obs).reshape(num_candidates, num_bins)
     return diff.sum(axis=1) / num_samples  # [num_candidates]
+
+
+def ece_noise_floor(pred: ArrayLike, num_bins: int = 15, draws: int = 200, seed: int = 0) -> float:
+    """Expected ECE of a *perfectly calibrated* predictor making these predictions.
+
+    ECE is biased upward on a finite sample: outcomes drawn from exactly the predicted
+    probabilities still leave each bin's observed rate off by about sqrt(p(1-p)/n_b). This draws
+    outcomes y ~ Bernoulli(pred) `draws` times (seeded) and returns the mean ECE, the level below
+    which a measured ECE on this many samples says nothing. pred: [num_samples] in [0, 1].
+    """
+    pred_np = _to_numpy_f64(pred)
+    if pred_np.ndim != 1 or pred_np.size == 0:
+        raise ValueError(f"pred must be 1-D and non-empty, got shape {pred_np.shape}")
+    if np.any(pred_np < 0.0) or np.any(pred_np > 1.0) or np.any(np.isnan(pred_np)):
+        raise ValueError("predictions must lie in [0, 1]")
+    rng = np.random.default_rng(seed)
+    bins = _bin_index(pred_np, num_bins)  # [num_samples]
+    sum_pred = np.bincount(bins, weights=pred_np, minlength=num_bins)  # [num_bins]
+    outcomes = rng.random((draws, pred_np.size)) < pred_np[None, :]  # [draws, num_samples]
+    flat = (bins[None, :] + num_bins * np.arange(draws)[:, None]).ravel()
+    sum_obs = np.bincount(flat, weights=outcomes.ravel().astype(np.float64),
+                          minlength=draws * num_bins).reshape(draws, num_bins)
+    return float((np.abs(sum_obs - sum_pred[None, :]).sum(axis=1) / pred_np.size).mean())
 
 
 def _average_ranks(x: np.ndarray) -> np.ndarray:
@@ -235,10 +270,14 @@ def _sigmoid_np(z: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class STSCalibration:
-    """Fitted per-position temperatures; ``temperatures[k-1]`` is T_k of draft position k."""
+    """Fitted per-position maps c_k -> sigmoid(logit(c_k) / T_k + b_k) (``b_k = 0``: plain STS)."""
 
     temperatures: list[float]
-    """One positive temperature per draft position (length gamma)."""
+    """One positive temperature per draft position (length gamma); ``temperatures[k-1]`` is T_k."""
+    biases: list[float] | None = None
+    """One shift per draft position, added after the temperature; None means all zero."""
+    sampling_temperature: float | None = None
+    """The sampling temperature of the rounds it was fitted on (None: unknown, any)."""
 
     def __post_init__(self) -> None:
         temps = [float(t) for t in self.temperatures]
@@ -246,19 +285,35 @@ class STSCalibration:
             raise ValueError("STSCalibration needs at least one temperature")
         if not all(math.isfinite(t) and t > 0.0 for t in temps):
             raise ValueError(f"temperatures must be positive and finite, got {temps}")
+        biases = [0.0] * len(temps) if self.biases is None else [float(b) for b in self.biases]
+        if len(biases) != len(temps):
+            raise ValueError(f"{len(biases)} biases for {len(temps)} temperatures")
+        if not all(math.isfinite(b) for b in biases):
+            raise ValueError(f"biases must be finite, got {biases}")
         object.__setattr__(self, "temperatures", temps)
+        object.__setattr__(self, "biases", biases)
+        if self.sampling_temperature is not None:
+            t = float(self.sampling_temperature)
+            if not (math.isfinite(t) and t >= 0.0):
+                raise ValueError(f"sampling_temperature must be >= 0, got {t}")
+            object.__setattr__(self, "sampling_temperature", t)
 
     @property
     def gamma(self) -> int:
         return len(self.temperatures)
 
+    @property
+    def shifted(self) -> bool:
+        """True when some position has a nonzero shift (not the paper's plain STS)."""
+        return any(b != 0.0 for b in self.biases)
+
     @classmethod
     def identity(cls, gamma: int) -> "STSCalibration":
-        """All temperatures 1: apply() only clamps (for drafters not yet calibrated)."""
+        """All temperatures 1, no shift: apply() only clamps (for drafters not yet calibrated)."""
         return cls([1.0] * gamma)
 
     def apply(self, c: ArrayLike) -> ArrayLike:
-        """Calibrated per-position confidences sigmoid(logit(c_k) / T_k).
+        """Calibrated per-position confidences sigmoid(logit(c_k) / T_k + b_k).
 
         c: [..., gamma] torch tensor (any device; half types computed in float32 and cast back)
         or numpy array / sequence (returned as float64 numpy). c is clamped to [eps, 1 - eps] of
@@ -274,13 +329,16 @@ class STSCalibration:
             eps = torch.finfo(compute_dtype).eps
             x = x.clamp(eps, 1.0 - eps)
             temps = torch.tensor(self.temperatures, dtype=compute_dtype, device=c.device)  # [gamma]
+            biases = torch.tensor(self.biases, dtype=compute_dtype, device=c.device)  # [gamma]
             z = torch.log(x) - torch.log1p(-x)  # [..., gamma]
-            return torch.sigmoid(z / temps).to(c.dtype if c.is_floating_point() else compute_dtype)
+            out = torch.sigmoid(z / temps + biases)
+            return out.to(c.dtype if c.is_floating_point() else compute_dtype)
         x = _to_numpy_f64(c)
         if x.ndim == 0 or x.shape[-1] != self.gamma:
             raise ValueError(f"c must have shape [..., {self.gamma}], got {x.shape}")
         temps = np.asarray(self.temperatures, dtype=np.float64)  # [gamma]
-        return _sigmoid_np(_logit_np(x) / temps)
+        biases = np.asarray(self.biases, dtype=np.float64)  # [gamma]
+        return _sigmoid_np(_logit_np(x) / temps + biases)
 
     def survival(self, c: ArrayLike) -> ArrayLike:
         """Calibrated prefix survival a_k = prod_{i<=k} calibrated c_i, shape [..., gamma]."""
@@ -289,16 +347,101 @@ class STSCalibration:
             return torch.cumprod(calibrated, dim=-1)
         return np.cumprod(calibrated, axis=-1)
 
+    def fit_dict(self) -> dict:
+        """This fit as one entry of a version-2 file's ``fits``."""
+        out: dict = {"temperatures": list(self.temperatures)}
+        if self.shifted:
+            out["biases"] = list(self.biases)
+        if self.sampling_temperature is not None:
+            out["sampling_temperature"] = self.sampling_temperature
+        return out
+
+    @classmethod
+    def from_fit_dict(cls, data: dict) -> "STSCalibration":
+        biases = data.get("biases")
+        return cls([float(t) for t in data["temperatures"]],
+                   None if biases is None else [float(b) for b in biases],
+                   data.get("sampling_temperature"))
+
     def to_dict(self) -> dict:
-        return {"format": _FORMAT, "version": _FORMAT_VERSION, "temperatures": list(self.temperatures)}
+        return CalibrationSet([self]).to_dict()
 
     @classmethod
     def from_dict(cls, data: dict) -> "STSCalibration":
+        return CalibrationSet.from_dict(data).only()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a one-fit file (see CalibrationSet.save)."""
+        CalibrationSet([self]).save(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "STSCalibration":
+        """Read a one-fit file (a file, or a checkpoint directory holding ``calibration.json``)."""
+        return CalibrationSet.load(path).only()
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationSet:
+    """The fits of one drafter, one per sampling temperature it was calibrated at.
+
+    Acceptance depends on the sampling temperature (greedy drafts survive more often than T=1
+    samples), so `dspark calibrate` fits each temperature it is given; a request uses the fit of
+    the nearest sampling temperature (``for_temperature``).
+    """
+
+    fits: list[STSCalibration]
+    """Sorted by sampling temperature; several only if every one names its temperature."""
+
+    def __post_init__(self) -> None:
+        fits = list(self.fits)
+        if not fits:
+            raise ValueError("a calibration needs at least one fit")
+        if len({f.gamma for f in fits}) != 1:
+            raise ValueError(f"fits disagree on gamma: {[f.gamma for f in fits]}")
+        if len(fits) > 1:
+            temps = [f.sampling_temperature for f in fits]
+            if any(t is None for t in temps):
+                raise ValueError("with several fits, each needs its sampling_temperature")
+            if len(set(temps)) != len(temps):
+                raise ValueError(f"two fits for the same sampling temperature: {temps}")
+            fits.sort(key=lambda f: f.sampling_temperature)
+        object.__setattr__(self, "fits", fits)
+
+    @property
+    def gamma(self) -> int:
+        return self.fits[0].gamma
+
+    def only(self) -> STSCalibration:
+        if len(self.fits) != 1:
+            raise ValueError(f"the calibration holds {len(self.fits)} fits (one per sampling "
+                             f"temperature); use CalibrationSet")
+        return self.fits[0]
+
+    def for_temperature(self, temperature: float) -> STSCalibration:
+        """The fit of the nearest sampling temperature (the lower one on a tie)."""
+        if len(self.fits) == 1:
+            return self.fits[0]
+        return min(self.fits, key=lambda f: abs(f.sampling_temperature - float(temperature)))
+
+    def to_dict(self) -> dict:
+        """One plain fit of no stated temperature is written as version 1 (what older code
+        reads); anything else as version 2."""
+        first = self.fits[0]
+        if len(self.fits) == 1 and not first.shifted and first.sampling_temperature is None:
+            return {"format": _FORMAT, "version": 1, "temperatures": list(first.temperatures)}
+        return {"format": _FORMAT, "version": _FORMAT_VERSION,
+                "fits": [f.fit_dict() for f in self.fits]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CalibrationSet":
         if data.get("format") != _FORMAT:
             raise ValueError(f"not an STS calibration (format={data.get('format')!r})")
-        if data.get("version") != _FORMAT_VERSION:
-            raise ValueError(f"unsupported STS calibration version {data.get('version')!r}")
-        return cls([float(t) for t in data["temperatures"]])
+        version = data.get("version")
+        if version == 1:
+            return cls([STSCalibration([float(t) for t in data["temperatures"]])])
+        if version == _FORMAT_VERSION:
+            return cls([STSCalibration.from_fit_dict(f) for f in data["fits"]])
+        raise ValueError(f"unsupported STS calibration version {version!r}")
 
     def save(self, path: str | os.PathLike) -> None:
         """Write JSON to path (a file, or a checkpoint directory: then ``calibration.json`` in it)."""
@@ -312,7 +455,7 @@ class STSCalibration:
         os.replace(tmp, path)  # never leave a half-written file beside a checkpoint
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "STSCalibration":
+    def load(cls, path: str | os.PathLike) -> "CalibrationSet":
         """Read JSON from path (a file, or a checkpoint directory holding ``calibration.json``)."""
         path = os.fspath(path)
         if os.path.isdir(path):
@@ -337,6 +480,15 @@ class STSFitConfig:
     """Points of a second geometric grid between the coarse best's neighbours (0: no refinement)."""
     chunk: int = 64
     """Candidate temperatures scored at once (bounds memory to chunk x num_samples floats)."""
+    b_min: float = -4.0
+    """Smallest shift of the shifted fit's grid (a logit offset)."""
+    b_max: float = 4.0
+    """Largest shift of the shifted fit's grid."""
+    num_bias_grid: int = 81
+    """Points of the shifted fit's coarse shift grid (uniform from b_min to b_max)."""
+    num_shift_temperatures: int = 61
+    """Points of the shifted fit's coarse temperature grid (geometric, t_min to t_max): the joint
+    grid is num_shift_temperatures x num_bias_grid candidates, refined around the best."""
 
     def __post_init__(self) -> None:
         if self.num_bins < 1:
@@ -345,6 +497,10 @@ class STSFitConfig:
             raise ValueError("need 0 < t_min < t_max < inf")
         if self.num_grid < 2 or self.num_refine < 0 or self.chunk < 1:
             raise ValueError("num_grid >= 2, num_refine >= 0 and chunk >= 1 required")
+        if not (self.b_min < self.b_max and math.isfinite(self.b_min) and math.isfinite(self.b_max)):
+            raise ValueError("need finite b_min < b_max")
+        if self.num_bias_grid < 2 or self.num_shift_temperatures < 2:
+            raise ValueError("num_bias_grid >= 2 and num_shift_temperatures >= 2 required")
 
     def coarse_grid(self) -> np.ndarray:
         return np.geomspace(self.t_min, self.t_max, self.num_grid)
@@ -367,6 +523,54 @@ def _best_temperature(
     return float(grid[best]), float(eces_all[best])
 
 
+def _log_loss_many(preds: np.ndarray, observed: np.ndarray) -> np.ndarray:
+    """Mean log-loss of each row of preds [num_candidates, num_samples] against observed
+    [num_samples] in {0, 1}; predictions are clipped to [1e-12, 1 - 1e-12]."""
+    p = np.clip(preds, 1e-12, 1.0 - 1e-12)
+    return -(observed * np.log(p) + (1.0 - observed) * np.log1p(-p)).mean(axis=1)
+
+
+def _best_temperature_and_shift(
+    prefix: np.ndarray, logit_c: np.ndarray, observed: np.ndarray, temps: np.ndarray,
+    shifts: np.ndarray, config: STSFitConfig,
+) -> tuple[float, float, float]:
+    """argmin over temps x shifts of log-loss(prefix * sigmoid(logit_c / T + b), observed).
+
+    prefix, logit_c, observed: [num_samples]; temps: [num_t]; shifts: [num_b]. Ties go to the
+    first candidate in (T, b) row-major order. Returns (T, b, log-loss).
+    """
+    cand_t = np.repeat(temps, shifts.size)  # [num_t * num_b]
+    cand_b = np.tile(shifts, temps.size)  # [num_t * num_b]
+    losses = []
+    for start in range(0, cand_t.size, config.chunk):
+        t = cand_t[start : start + config.chunk, None]  # [chunk, 1]
+        b = cand_b[start : start + config.chunk, None]  # [chunk, 1]
+        preds = prefix[None, :] * _sigmoid_np(logit_c[None, :] / t + b)  # [chunk, num_samples]
+        losses.append(_log_loss_many(preds, observed))
+    losses_all = np.concatenate(losses)  # [num_t * num_b]
+    best = int(np.argmin(losses_all))
+    return float(cand_t[best]), float(cand_b[best]), float(losses_all[best])
+
+
+def _fit_position_shifted(
+    prefix: np.ndarray, logit_c: np.ndarray, observed: np.ndarray, config: STSFitConfig
+) -> tuple[float, float]:
+    """(T_k, b_k) of one position: a joint coarse grid, then a finer one around its best point."""
+    temps = np.geomspace(config.t_min, config.t_max, config.num_shift_temperatures)
+    shifts = np.linspace(config.b_min, config.b_max, config.num_bias_grid)
+    t_best, b_best, _ = _best_temperature_and_shift(prefix, logit_c, observed, temps, shifts, config)
+    if config.num_refine > 0:
+        i = int(np.searchsorted(temps, t_best))
+        t_fine = np.geomspace(temps[max(i - 1, 0)], temps[min(i + 1, temps.size - 1)], 21)
+        step = shifts[1] - shifts[0]
+        b_fine = np.linspace(b_best - step, b_best + step, 21)
+        t_fine = np.unique(np.append(t_fine, t_best))
+        b_fine = np.unique(np.append(b_fine, b_best))
+        t_best, b_best, _ = _best_temperature_and_shift(prefix, logit_c, observed, t_fine, b_fine,
+                                                        config)
+    return t_best, b_best
+
+
 def fit_sts(
     c_raw: ArrayLike,
     survived: ArrayLike | None = None,
@@ -374,6 +578,7 @@ def fit_sts(
     accepted_len: ArrayLike | None = None,
     config: STSFitConfig | None = None,
     grid: Sequence[float] | None = None,
+    shift: bool = False,
 ) -> STSCalibration:
     """Sequential Temperature Scaling on a held-out set (DESIGN.md section 4).
 
@@ -383,10 +588,17 @@ def fit_sts(
     config.num_refine > 0, then searches between the best point's neighbours in it).
     For k = 1..gamma, T_k minimises the ECE of the cumulative calibrated product at k against
     survived[:, k-1], with T_1..T_{k-1} fixed.
+    shift: also fit a per-position shift b_k (map sigmoid(logit(c_k) / T_k + b_k)), searching
+    (T_k, b_k) jointly on the config's shifted grids for the least log-loss of the cumulative
+    product (see the module docstring for why not ECE); ``grid`` is then not allowed.
     """
     config = config or STSFitConfig()
     c_np = _to_numpy_f64(c_raw)
     surv = _resolve_outcomes(c_np, survived, accepted_len)
+    if shift:
+        if grid is not None:
+            raise ValueError("an explicit temperature grid is for the plain fit (shift=False)")
+        return _fit_sts_shifted(c_np, surv, config)
     coarse = config.coarse_grid() if grid is None else np.asarray(sorted(float(t) for t in grid))
     if coarse.size == 0 or np.any(coarse <= 0) or not np.all(np.isfinite(coarse)):
         raise ValueError("grid must hold positive finite temperatures")
@@ -408,6 +620,21 @@ def fit_sts(
     return STSCalibration(temperatures)
 
 
+def _fit_sts_shifted(c_np: np.ndarray, surv: np.ndarray, config: STSFitConfig) -> STSCalibration:
+    """fit_sts(shift=True): c_np [num_samples, gamma] float64, surv the same shape, bool."""
+    num_samples, gamma = c_np.shape
+    logits = _logit_np(c_np)  # [num_samples, gamma]
+    observed = surv.astype(np.float64)  # [num_samples, gamma]
+    prefix = np.ones(num_samples)  # calibrated a_{k-1}, [num_samples]
+    temperatures, biases = [], []
+    for k in range(gamma):
+        t_best, b_best = _fit_position_shifted(prefix, logits[:, k], observed[:, k], config)
+        temperatures.append(t_best)
+        biases.append(b_best)
+        prefix = prefix * _sigmoid_np(logits[:, k] / t_best + b_best)
+    return STSCalibration(temperatures, biases)
+
+
 # ----------------------------------------------------------------------------------------------
 # Report
 
@@ -426,6 +653,9 @@ class PositionCalibration:
     ece_before: float
     """ECE of the raw cumulative product a_k against prefix survival, over all samples."""
     ece_after: float
+    ece_floor_after: float
+    """ECE a perfectly calibrated predictor would show with the calibrated a_k on this many
+    samples (``ece_noise_floor``): ece_after near it is as good as this sample can tell."""
     brier_before: float
     brier_after: float
     auc_conditional: float
@@ -441,6 +671,8 @@ class CalibrationReport:
     temperatures: list[float]
     num_samples: int
     num_bins: int
+    biases: list[float] | None = None
+    """The calibration's shifts b_k (None or all zero: plain STS)."""
 
     @property
     def mean_ece_before(self) -> float:
@@ -455,6 +687,7 @@ class CalibrationReport:
             "num_samples": self.num_samples,
             "num_bins": self.num_bins,
             "temperatures": list(self.temperatures),
+            "biases": list(self.biases or [0.0] * len(self.temperatures)),
             "mean_ece_before": self.mean_ece_before,
             "mean_ece_after": self.mean_ece_after,
             "positions": [dataclasses.asdict(p) for p in self.positions],
@@ -462,14 +695,17 @@ class CalibrationReport:
 
     def format_table(self) -> str:
         header = (
-            f"{'pos':>3} {'T':>7} {'at_risk':>8} {'surv':>6} {'ECE raw':>8} {'ECE sts':>8} "
+            f"{'pos':>3} {'T':>7} {'shift':>7} {'at_risk':>8} {'surv':>6} {'ECE raw':>8} {'ECE sts':>8} "
+            f"{'floor':>6} "
             f"{'AUC':>6} {'Brier raw':>9} {'Brier sts':>9}"
         )
         lines = [header]
-        for p, t in zip(self.positions, self.temperatures):
+        biases = self.biases or [0.0] * len(self.temperatures)
+        for p, t, b in zip(self.positions, self.temperatures, biases):
             lines.append(
-                f"{p.position:>3} {t:>7.3f} {p.num_at_risk:>8d} {p.observed_survival:>6.3f} "
-                f"{100 * p.ece_before:>7.2f}% {100 * p.ece_after:>7.2f}% {p.auc_conditional:>6.3f} "
+                f"{p.position:>3} {t:>7.3f} {b:>+7.3f} {p.num_at_risk:>8d} {p.observed_survival:>6.3f} "
+                f"{100 * p.ece_before:>7.2f}% {100 * p.ece_after:>7.2f}% "
+                f"{100 * p.ece_floor_after:>5.2f}% {p.auc_conditional:>6.3f} "
                 f"{p.brier_before:>9.4f} {p.brier_after:>9.4f}"
             )
         lines.append(
@@ -528,6 +764,7 @@ def calibration_report(
                 mean_pred_after=float(a_after[:, k].mean()),
                 ece_before=expected_calibration_error(a_before[:, k], y, num_bins),
                 ece_after=expected_calibration_error(a_after[:, k], y, num_bins),
+                ece_floor_after=ece_noise_floor(a_after[:, k], num_bins),
                 brier_before=brier_score(a_before[:, k], y),
                 brier_after=brier_score(a_after[:, k], y),
                 auc_conditional=conditional_auc(c_np, surv, k + 1),
@@ -535,7 +772,8 @@ def calibration_report(
                 auc_prefix_after=roc_auc(a_after[:, k], y),
             )
         )
-    return CalibrationReport(positions, list(sts.temperatures), int(c_np.shape[0]), num_bins)
+    return CalibrationReport(positions, list(sts.temperatures), int(c_np.shape[0]), num_bins,
+                             list(sts.biases))
 
 
 # ----------------------------------------------------------------------------------------------

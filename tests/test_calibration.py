@@ -12,11 +12,13 @@ import torch
 
 from dspark.calibration import (
     CALIBRATION_FILENAME,
+    CalibrationSet,
     STSCalibration,
     STSFitConfig,
     brier_score,
     calibration_report,
     conditional_auc,
+    ece_noise_floor,
     expected_calibration_error,
     fit_sts,
     plot_reliability,
@@ -134,6 +136,23 @@ def test_brier():
     assert brier_score(pred, obs) == pytest.approx((0.01 + 0.09 + 0.36) / 3, abs=1e-15)
 
 
+def test_ece_noise_floor_matches_a_loop_and_shrinks_with_samples():
+    # Reference: draw outcomes from the predictions one draw at a time, score with ece_reference.
+    rng = np.random.default_rng(3)
+    pred = rng.beta(2.0, 5.0, size=300)
+    draws = 40
+    floor = ece_noise_floor(pred, 15, draws=draws, seed=11)
+    block = np.random.default_rng(11).random((draws, pred.size)) < pred[None, :]  # the same stream
+    ref = np.mean([ece_reference(pred, block[i], 15) for i in range(draws)])
+    assert floor == pytest.approx(ref, abs=1e-12)
+    # a perfectly calibrated predictor's ECE falls like 1 / sqrt(n)
+    big = rng.beta(2.0, 5.0, size=30_000)
+    assert ece_noise_floor(big[:750]) > 2.5 * ece_noise_floor(big)
+    assert ece_noise_floor(np.zeros(10)) == 0.0  # certain outcomes: no noise
+    with pytest.raises(ValueError):
+        ece_noise_floor([1.5])
+
+
 # ----------------------------------------------------------------------------------------------
 # Outcomes
 
@@ -220,6 +239,89 @@ def test_sts_underconfident_gets_temperature_below_one():
     assert all(0.35 < t < 0.7 for t in sts.temperatures), sts.temperatures
 
 
+def shifted_synthetic(num_samples, gamma, seed, overconfidence=OVERCONFIDENCE, offset=1.2):
+    """Like synthetic, but the raw logit is also offset: a head that over-predicts everywhere
+    (true map: logit(q) = logit(c) / overconfidence - offset / overconfidence)."""
+    rng = np.random.default_rng(seed)
+    q = rng.beta(2.0, 3.0, size=(num_samples, gamma))  # [num_samples, gamma], mean 0.4
+    c_raw = 1.0 / (1.0 + np.exp(-(overconfidence * (np.log(q) - np.log1p(-q)) + offset)))
+    accepted = rng.random((num_samples, gamma)) < q
+    survived = np.cumprod(accepted, axis=1).astype(bool)
+    return q, c_raw, survived
+
+
+def test_shifted_sts_calibrates_an_offset_head_that_plain_sts_cannot():
+    q, c_raw, survived = shifted_synthetic(30_000, 4, seed=77)
+    plain = calibration_report(c_raw, survived, fit_sts(c_raw, survived))
+    sts = fit_sts(c_raw, survived, shift=True)
+    shifted = calibration_report(c_raw, survived, sts)
+    assert sts.shifted and shifted.biases == sts.biases
+    for p_plain, p_shift in zip(plain.positions, shifted.positions):
+        assert p_shift.ece_after <= 0.015, p_shift
+        assert p_shift.brier_after <= p_plain.brier_after + 1e-12
+    assert plain.positions[0].ece_after >= 0.03  # a temperature alone cannot undo the offset
+    # the truth: T = 2.5 and b = -1.2 / 2.5 at every position
+    assert 2.0 < sts.temperatures[0] < 3.1 and -0.75 < sts.biases[0] < -0.25, sts
+    err = np.abs(sts.survival(c_raw) - np.cumprod(q, axis=1))
+    assert err.mean() < 0.03
+    # order-preserving per position: the conditional AUC is unchanged
+    for k in range(1, 5):
+        assert abs(conditional_auc(c_raw, survived, k)
+                   - conditional_auc(sts.apply(c_raw), survived, k)) <= 1e-12
+
+
+def test_shifted_sts_keeps_the_heads_sharpness():
+    # An informative, well-calibrated head must stay sharp: log-loss never picks the flat
+    # near-constant map that a joint ECE search can reach (Brier no worse than raw).
+    q, c_raw, survived = synthetic(20_000, 3, seed=21, overconfidence=1.0)
+    sts = fit_sts(c_raw, survived, shift=True)
+    report = calibration_report(c_raw, survived, sts)
+    for pos in report.positions:
+        assert pos.brier_after <= pos.brier_before + 1e-4, pos
+    assert all(0.8 < t < 1.25 for t in sts.temperatures[:2]), sts
+
+
+def log_loss_reference(pred, obs):
+    """Per-sample loop: -log p for a survivor, -log(1 - p) otherwise (p clipped to 1e-12)."""
+    total = 0.0
+    for p, y in zip(pred, obs):
+        p = min(max(float(p), 1e-12), 1.0 - 1e-12)
+        total -= math.log(p) if y else math.log(1.0 - p)
+    return total / len(pred)
+
+
+def test_shifted_sts_equals_brute_force_joint_search():
+    # Independent reference: for each k, loop over every (T, b) of the grids, score with
+    # log_loss_reference on the cumulative product of the already-chosen maps; first minimum wins.
+    _, c_raw, survived = shifted_synthetic(400, 3, seed=5)
+    config = STSFitConfig(num_refine=0, t_min=0.5, t_max=4.0, num_shift_temperatures=4,
+                          b_min=-1.0, b_max=1.0, num_bias_grid=5)
+    sts = fit_sts(c_raw, survived, shift=True, config=config)
+    temps = np.geomspace(0.5, 4.0, 4)
+    shifts = np.linspace(-1.0, 1.0, 5)
+    logit = np.log(c_raw) - np.log1p(-c_raw)
+    prefix = np.ones(c_raw.shape[0])
+    chosen_t, chosen_b = [], []
+    for k in range(3):
+        best = None
+        for t in temps:
+            for b in shifts:
+                score = log_loss_reference(prefix / (1 + np.exp(-(logit[:, k] / t + b))), survived[:, k])
+                if best is None or score < best[0] - 1e-12:
+                    best = (score, t, b)
+        chosen_t.append(best[1])
+        chosen_b.append(best[2])
+        prefix = prefix / (1 + np.exp(-(logit[:, k] / best[1] + best[2])))
+    np.testing.assert_allclose(sts.temperatures, chosen_t, rtol=1e-12)
+    np.testing.assert_allclose(sts.biases, chosen_b, atol=1e-12)
+
+
+def test_shifted_fit_refuses_an_explicit_temperature_grid():
+    _, c_raw, survived = synthetic(100, 2, seed=1)
+    with pytest.raises(ValueError, match="plain fit"):
+        fit_sts(c_raw, survived, shift=True, grid=[1.0, 2.0])
+
+
 # ----------------------------------------------------------------------------------------------
 # apply / persistence
 
@@ -238,6 +340,20 @@ def test_apply_torch_matches_numpy_and_formula():
     assert out32.dtype == torch.float32
     torch.testing.assert_close(out32, out.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sts.survival(c), torch.cumprod(out, dim=-1))
+
+
+def test_apply_with_shift_matches_formula():
+    sts = STSCalibration([0.5, 2.0, 3.0], [0.3, -1.0, 0.0])
+    c = torch.rand(5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    logit = torch.log(c / (1 - c))
+    expected = torch.sigmoid(logit / torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64)
+                             + torch.tensor([0.3, -1.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(sts.apply(c), expected, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(sts.apply(c.numpy()), expected.numpy(), rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="biases"):
+        STSCalibration([1.0, 1.0], [0.0])
+    with pytest.raises(ValueError, match="finite"):
+        STSCalibration([1.0], [float("nan")])
 
 
 def test_apply_clamps_extremes_and_half():
@@ -270,6 +386,48 @@ def test_json_round_trip(tmp_path, fitted):
     assert STSCalibration.load(tmp_path) == sts
     with pytest.raises(ValueError):
         STSCalibration.from_dict({"format": "other", "temperatures": [1.0]})
+
+
+def test_calibration_set_picks_the_nearest_sampling_temperature(tmp_path):
+    greedy = STSCalibration([1.0, 1.0], [0.5, 0.0], sampling_temperature=0.0)
+    t1 = STSCalibration([2.0, 2.0], [-0.5, 0.0], sampling_temperature=1.0)
+    fits = CalibrationSet([t1, greedy])
+    assert fits.fits == [greedy, t1]  # sorted by sampling temperature
+    assert fits.for_temperature(0.0) is greedy and fits.for_temperature(0.4) is greedy
+    assert fits.for_temperature(0.5) is greedy  # a tie goes to the lower temperature
+    assert fits.for_temperature(0.7) is t1 and fits.for_temperature(1.5) is t1
+    fits.save(tmp_path)
+    data = json.loads((tmp_path / CALIBRATION_FILENAME).read_text())
+    assert data["version"] == 2 and [f["sampling_temperature"] for f in data["fits"]] == [0.0, 1.0]
+    assert CalibrationSet.load(tmp_path) == fits
+    with pytest.raises(ValueError, match="use CalibrationSet"):
+        STSCalibration.load(tmp_path)
+    with pytest.raises(ValueError, match="sampling_temperature"):
+        CalibrationSet([t1, STSCalibration([1.0, 1.0])])
+    with pytest.raises(ValueError, match="same sampling temperature"):
+        CalibrationSet([t1, t1])
+    with pytest.raises(ValueError, match="gamma"):
+        CalibrationSet([greedy, STSCalibration([1.0], sampling_temperature=1.0)])
+    with pytest.raises(ValueError, match="sampling_temperature"):
+        STSCalibration([1.0], sampling_temperature=-1.0)
+    # one fit of any temperature serves every request
+    only = CalibrationSet([t1])
+    assert only.for_temperature(0.0) is t1
+
+
+def test_json_versions(tmp_path):
+    # plain STS is written as version 1 (what older code reads); a shift needs version 2
+    plain = STSCalibration([0.5, 2.0])
+    assert plain.to_dict() == {"format": "dspark.sts", "version": 1, "temperatures": [0.5, 2.0]}
+    shifted = STSCalibration([0.5, 2.0], [-0.4, 0.0])
+    shifted.save(tmp_path / "s.json")
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["version"] == 2 and data["fits"] == [{"temperatures": [0.5, 2.0], "biases": [-0.4, 0.0]}]
+    assert STSCalibration.load(tmp_path / "s.json") == shifted
+    assert STSCalibration.from_dict({"format": "dspark.sts", "version": 1,
+                                     "temperatures": [1.5]}).biases == [0.0]
+    with pytest.raises(ValueError, match="version"):
+        STSCalibration.from_dict({"format": "dspark.sts", "version": 3, "temperatures": [1.0]})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -161,9 +161,11 @@ class AcceptanceSummary:
             out.update(
                 ece_before=[p.ece_before for p in cal.positions],
                 ece_after=[p.ece_after for p in cal.positions],
+                ece_floor=[p.ece_floor_after for p in cal.positions],
                 auc=[_finite_or_none(p.auc_conditional) for p in cal.positions],
                 auc_prefix=[_finite_or_none(p.auc_prefix_after) for p in cal.positions],
-                sts_temperatures=list(cal.temperatures))
+                sts_temperatures=list(cal.temperatures),
+                sts_biases=list(cal.biases or [0.0] * len(cal.temperatures)))
         return out
 
 

@@ -4,7 +4,8 @@ Every method drafts and the target verifies a fixed number of drafts per round (
 or one draft for the MTP-1-like baseline): raw draft quality, with no scheduler, as in the paper's
 Table 1. Per method: `tau` (accepted + 1 per round), per-position conditional acceptance, and for
 drafters with a confidence head the per-position ECE of the cumulative confidences before (raw)
-and after STS (the checkpoint's `calibration.json`; without one, after = before) and the AUC.
+and after STS (the fit in the checkpoint's `calibration.json` for the nearest sampling temperature;
+without one, after = before) and the AUC.
 
 stdout: markdown tables (Table 1 layout: rows are methods, columns tau and per-position
 acceptance; then calibration). With `--json` the last stdout line is one JSON object keyed by
@@ -116,7 +117,10 @@ def format_acceptance_table(results: dict, missing: dict[str, Path], title: str)
 
 
 def format_calibration_table(results: dict, calibrated: dict[str, bool]) -> str | None:
-    """Markdown: per-position ECE raw / after STS and conditional AUC, per method with a head."""
+    """Markdown: per-position ECE raw / after STS and conditional AUC, per method with a head.
+
+    "ECE floor" is the ECE a perfectly calibrated predictor would show with the same calibrated
+    predictions on this many rounds (`dspark.calibration.ece_noise_floor`)."""
     rows = {n: s for n, s in results.items() if s.calibration is not None}
     if not rows:
         return None
@@ -129,6 +133,7 @@ def format_calibration_table(results: dict, calibrated: dict[str, bool]) -> str 
         sts = "STS" if calibrated.get(name) else "STS (none fitted)"
         for metric, values in (("ECE raw", [100 * p.ece_before for p in pos]),
                                (f"ECE {sts}", [100 * p.ece_after for p in pos]),
+                               ("ECE floor", [100 * p.ece_floor_after for p in pos]),
                                ("AUC", [p.auc_conditional for p in pos])):
             pct = metric.startswith("ECE")
             cells = [_fmt(v, 2 if pct else 3) + ("%" if pct else "") for v in values]
@@ -239,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         out = collect_records(TargetVerifier(runner), drafter, prompts, cfg,
                               has_confidences=with_head)
         seconds = time.perf_counter() - start
-        calibration = load_calibration(folder) if with_head else None
+        calibration = load_calibration(folder, args.temperature) if with_head else None
         calibrations[name] = calibration is not None
         summary = summarize(out.records, calibration,
                             with_calibration=with_head and spec.verify is VerifyLength.FULL_BLOCK)
@@ -263,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
             if s.calibration is None:
                 continue
             full = records[name].full_rounds()
-            sts = load_calibration(checkpoint_folder(checkpoints, name))
+            sts = load_calibration(checkpoint_folder(checkpoints, name), args.temperature)
             written.append(Path(plot_reliability(
                 args.plots / f"reliability_{name}.png", full.confidences, full.survival(), sts,
                 title=f"{METHODS[name].label} on {args.dataset.name}")))

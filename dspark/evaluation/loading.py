@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.calibration import CALIBRATION_FILENAME, STSCalibration
+from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import AnyDrafter, load_drafter
 from dspark.models.runner import RunnerConfig, TargetRunner
@@ -101,10 +101,16 @@ def load_target(model_dir: str | Path, hidden_layer_ids: tuple[int, ...], *,
                                                 kv_cache_tokens=kv_cache_tokens))
 
 
-def load_calibration(folder: str | Path) -> STSCalibration | None:
-    """The STS calibration stored beside a drafter checkpoint, or None if it has none."""
+def load_calibration_set(folder: str | Path) -> CalibrationSet | None:
+    """All STS fits stored beside a drafter checkpoint, or None if it has none."""
     path = Path(folder) / CALIBRATION_FILENAME
-    return STSCalibration.load(path) if path.is_file() else None
+    return CalibrationSet.load(path) if path.is_file() else None
+
+
+def load_calibration(folder: str | Path, sampling_temperature: float = 1.0) -> STSCalibration | None:
+    """The checkpoint's STS fit for a sampling temperature (the nearest fitted one), or None."""
+    fits = load_calibration_set(folder)
+    return None if fits is None else fits.for_temperature(sampling_temperature)
 
 
 def has_confidence_head(drafter: AnyDrafter) -> bool:
@@ -133,11 +139,11 @@ def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
     drafter = load_drafter(folder, runner.model.embed_tokens.weight, runner.model.lm_head.weight,
                            device=runner.device, dtype=runner.dtype)
     if apply_calibration:
-        calibration = load_calibration(folder)
+        calibration = load_calibration_set(folder)
         if calibration is not None and has_confidence_head(drafter):
             if calibration.gamma != drafter.gamma:
                 raise ValueError(f"{folder}: {CALIBRATION_FILENAME} has gamma={calibration.gamma}, "
                                  f"the drafter {drafter.gamma}")
-            drafter.set_confidence_temperatures(calibration.temperatures)
+            drafter.set_confidence_calibration(calibration)
     drafter.pack_for_inference()  # float32 on a CPU: oneDNN-packed products (no-op elsewhere)
     return drafter

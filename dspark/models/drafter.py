@@ -30,7 +30,7 @@ not parameters, and never part of the drafter's checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Protocol, Sequence
+from typing import TYPE_CHECKING, Hashable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ from torch import nn
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
 from dspark.models.packed_linear import pack_linears, pack_weight, packed_linear, packing_available
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+
+if TYPE_CHECKING:
+    from dspark.calibration import CalibrationSet
 
 # Position given to padding slots of a gathered context: never < any anchor position, so masked.
 _PAD_POSITION = 2**62
@@ -769,7 +772,11 @@ class DSparkDrafter(FrozenTargetHead):
         self.reset_parameters()
         # Frozen target tensors and the draft-vocabulary map: buffers, not in the checkpoint.
         self._init_target_buffers()
-        self.register_buffer("confidence_temperatures", torch.ones(self.gamma), persistent=False)
+        # STS fits applied to the confidences, one row per sampling temperature calibrated at
+        # (set_confidence_calibration); one identity row until then.
+        self.register_buffer("confidence_temperatures", torch.ones(1, self.gamma), persistent=False)
+        self.register_buffer("confidence_biases", torch.zeros(1, self.gamma), persistent=False)
+        self._calibration_sampling_temps: list[float] = []  # [num_fits] when num_fits > 1
         self._cache = ContextKVCache()
         # Context tokens not yet projected into the cache, per request: (features [n, m * hidden],
         # positions [n]) in arrival order (see append_context).
@@ -793,11 +800,39 @@ class DSparkDrafter(FrozenTargetHead):
         if self.markov_head is not None:
             nn.init.zeros_(self.markov_head.markov_w2.weight)
 
-    def set_confidence_temperatures(self, temperatures: Sequence[float] | torch.Tensor) -> None:
-        """STS temperatures T_k: c_k = sigmoid(logit(c_k) / T_k) at inference."""
+    def set_confidence_temperatures(self, temperatures: Sequence[float] | torch.Tensor,
+                                    biases: Sequence[float] | torch.Tensor | None = None) -> None:
+        """One STS fit for every request: c_k = sigmoid(logit(c_k) / T_k + b_k) (b_k default 0)."""
         t = torch.as_tensor(temperatures, dtype=torch.float32, device=self.fc.weight.device)
         assert t.shape == (self.gamma,) and bool((t > 0).all()), t
-        self.confidence_temperatures = t
+        b = (torch.zeros_like(t) if biases is None
+             else torch.as_tensor(biases, dtype=torch.float32, device=t.device))
+        assert b.shape == (self.gamma,) and bool(torch.isfinite(b).all()), b
+        self.confidence_temperatures = t.unsqueeze(0)  # [1, gamma]
+        self.confidence_biases = b.unsqueeze(0)  # [1, gamma]
+        self._calibration_sampling_temps = []
+
+    def set_confidence_calibration(self, calibration: CalibrationSet) -> None:
+        """STS fits per sampling temperature (dspark.calibration.CalibrationSet): each request's
+        confidences use the fit of the sampling temperature nearest its own."""
+        if calibration.gamma != self.gamma:
+            raise ValueError(f"calibration has gamma={calibration.gamma}, the drafter {self.gamma}")
+        device = self.fc.weight.device
+        self.confidence_temperatures = torch.tensor(
+            [f.temperatures for f in calibration.fits], dtype=torch.float32, device=device)
+        self.confidence_biases = torch.tensor(
+            [f.biases for f in calibration.fits], dtype=torch.float32, device=device)
+        self._calibration_sampling_temps = ([f.sampling_temperature for f in calibration.fits]
+                                            if len(calibration.fits) > 1 else [])
+
+    def _calibration_rows(self, requests: Sequence[DraftRequest]) -> torch.Tensor | None:
+        """Row of confidence_temperatures for each request [R] (None: the single row 0)."""
+        temps = self._calibration_sampling_temps
+        if not temps:
+            return None
+        rows = [min(range(len(temps)), key=lambda i: (abs(temps[i] - r.sampling.temperature), i))
+                for r in requests]
+        return torch.tensor(rows, dtype=torch.int64, device=self.confidence_temperatures.device)
 
     # ---- the parallel backbone ---------------------------------------------------------------
 
@@ -982,6 +1017,9 @@ class DSparkDrafter(FrozenTargetHead):
         plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
         uniforms = None if plan.all_greedy else draw_uniforms(requests, gamma, device)  # [R, gamma]
         reduced = cfg.draft_vocab_size is not None
+        rows = self._calibration_rows(requests)
+        conf_t = self.confidence_temperatures[0 if rows is None else rows]  # [gamma] or [R, gamma]
+        conf_b = self.confidence_biases[0 if rows is None else rows]
         prev = anchor_tok  # target ids
         state = (self.markov_head.initial_state((R,), hn)
                  if self.markov_head is not None else None)
@@ -996,7 +1034,7 @@ class DSparkDrafter(FrozenTargetHead):
             if conf_logit is None:
                 confidences.append(torch.full((R,), float("nan"), device=device))
             else:
-                confidences.append(torch.sigmoid(conf_logit / self.confidence_temperatures[k]))
+                confidences.append(torch.sigmoid(conf_logit / conf_t[..., k] + conf_b[..., k]))
             u_k = None if uniforms is None else uniforms[:, k]
             sample = sample_block_position(logits_k, plan, u_k)
             samples.append(sample)

@@ -230,7 +230,8 @@ def test_observer_rows_add_up_to_the_engine_metrics(tiny_target):
     assert records.confidences.shape == (records.num_rounds, GAMMA)
     assert np.all((records.confidences > 0) & (records.confidences < 1))
     # raw confidences: exactly what the drafter computes with temperature 1
-    assert torch.equal(drafter.confidence_temperatures, torch.ones(GAMMA))
+    assert torch.equal(drafter.confidence_temperatures, torch.ones(1, GAMMA))
+    assert torch.equal(drafter.confidence_biases, torch.zeros(1, GAMMA))
     # a full-block run with every round full except those cut by max_tokens
     assert set(records.admitted.tolist()) <= set(range(GAMMA + 1))
     assert (records.admitted == GAMMA).sum() > 0

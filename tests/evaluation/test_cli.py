@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.calibration import CALIBRATION_FILENAME, STSCalibration
+from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, fit_sts
 from dspark.evaluation import calibrate_cli, eval_cli
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
@@ -187,27 +187,54 @@ def test_calibrate_writes_loadable_calibration_that_eval_applies(setup, tmp_path
     target, ckpts = setup
     own = tmp_path / "checkpoints"
     shutil.copytree(ckpts / "dspark-markov", own / "dspark-markov")  # keep the shared one clean
+    folder = own / "dspark-markov"
     data = tmp_path / "data.jsonl.gz"
     write_data_file(data, np.random.default_rng(1))
-    rc = call(calibrate_cli, ["--checkpoint", str(own / "dspark-markov"), "--data", str(data),
-                              "--max-tokens", "24", "--temperature", "1.0", "--model-dir",
-                              str(target), "--device", "cpu", "--json"])
+    rc = call(calibrate_cli, ["--checkpoint", str(folder), "--data", str(data),
+                              "--max-tokens", "24", "--temperature", "1.0,0", "--model-dir",
+                              str(target), "--device", "cpu", "--json",
+                              "--save-records", str(tmp_path / "rounds.npz")])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    sts = STSCalibration.load(own / "dspark-markov" / CALIBRATION_FILENAME)
-    assert sts.gamma == GAMMA
-    assert (own / "dspark-markov" / "reliability.png").stat().st_size > 1000
+    fits = CalibrationSet.load(folder)
+    assert [f.sampling_temperature for f in fits.fits] == [0.0, 1.0] and fits.gamma == GAMMA
+    for t in ("0", "1"):
+        assert (folder / f"reliability_t{t}.png").stat().st_size > 1000
     report = json.loads(captured.out.strip().splitlines()[-1])
-    assert report["temperatures"] == sts.temperatures
-    assert "mean ECE" in captured.out
+    assert report["1"]["temperatures"] == fits.for_temperature(1.0).temperatures
+    assert report["0"]["biases"] == fits.for_temperature(0.0).biases
+    assert "sampling temperature 0:" in captured.out and "mean ECE" in captured.out
+    # the saved rounds refit the same calibration without a model, and the plain fit with
+    # --no-shift: both equal fit_sts on the saved arrays, per temperature
+    rounds = calibrate_cli.load_records(tmp_path / "rounds.npz")
+    assert [t for t, _, _ in rounds] == [1.0, 0.0]
+    for t, confidences, survived in rounds:
+        assert confidences.shape[1] == GAMMA and confidences.shape == survived.shape
+        assert fits.for_temperature(t).temperatures == fit_sts(confidences, survived,
+                                                                shift=True).temperatures
+    for flags, shift in (([], True), (["--no-shift"], False)):
+        rc = call(calibrate_cli, ["--checkpoint", str(folder), "--records",
+                                  str(tmp_path / "rounds.npz"), "--data", "unused", *flags])
+        assert rc == 0, capsys.readouterr().err
+        refit = CalibrationSet.load(folder)
+        for t, confidences, survived in rounds:
+            expected = fit_sts(confidences, survived, shift=shift)
+            assert refit.for_temperature(t).temperatures == expected.temperatures
+            assert refit.for_temperature(t).biases == expected.biases
+    assert not any(f.shifted for f in refit.fits)
+    capsys.readouterr()
 
+    # eval applies the fit of its own sampling temperature
     dataset = tmp_path / "tiny.jsonl"
     write_eval_file(dataset, 2)
-    rc = call(eval_cli, ["--dataset", str(dataset), "--max-tokens", "12", "--json",
-                         "--checkpoints", str(own), "--model-dir", str(target),
-                         "--methods", "dspark", "--device", "cpu"])
-    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dspark"]
-    assert rc == 0 and r["sts_fitted"] is True and r["sts_temperatures"] == sts.temperatures
+    for t in (0.0, 1.0):
+        rc = call(eval_cli, ["--dataset", str(dataset), "--max-tokens", "12", "--json",
+                             "--checkpoints", str(own), "--model-dir", str(target),
+                             "--methods", "dspark", "--device", "cpu", "--temperature", str(t)])
+        r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dspark"]
+        assert rc == 0 and r["sts_fitted"] is True
+        assert r["sts_temperatures"] == refit.for_temperature(t).temperatures
+        assert r["sts_biases"] == refit.for_temperature(t).biases
 
 
 def test_calibrate_errors(setup, tmp_path, capsys):
@@ -224,3 +251,21 @@ def test_calibrate_errors(setup, tmp_path, capsys):
                                 "--device", "cpu"]) == 2
     assert "no confidence head" in capsys.readouterr().err
     assert not (own / CALIBRATION_FILENAME).exists()
+    markov = tmp_path / "markov"
+    shutil.copytree(ckpts / "dspark-markov", markov)
+    assert call(calibrate_cli, ["--checkpoint", str(markov), "--data", str(data), "--records",
+                                str(tmp_path / "none.npz")]) == 2
+    assert "no records file" in capsys.readouterr().err
+    np.savez(tmp_path / "short.npz", sampling_temperatures=np.array([1.0]),
+             confidences_0=np.full((3, GAMMA - 1), 0.5), survived_0=np.zeros((3, GAMMA - 1), dtype=bool))
+    assert call(calibrate_cli, ["--checkpoint", str(markov), "--data", str(data), "--records",
+                                str(tmp_path / "short.npz")]) == 2
+    assert f"holds {GAMMA - 1} positions" in capsys.readouterr().err
+    np.savez(tmp_path / "other.npz", x=np.zeros(3))
+    assert call(calibrate_cli, ["--checkpoint", str(markov), "--data", str(data), "--records",
+                                str(tmp_path / "other.npz")]) == 2
+    assert "not a records file" in capsys.readouterr().err
+    for bad in ("0,x", "-1", "1,1"):
+        assert call(calibrate_cli, ["--checkpoint", str(markov), "--data", str(data),
+                                    "--temperature", bad, "--model-dir", str(target)]) == 2
+        assert "--temperature" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dspark.calibration import CalibrationSet, STSCalibration
 from dspark.models.drafter import (
     DraftBlock,
     DraftRequest,
@@ -386,6 +387,33 @@ def test_calibration_temperatures_apply_to_the_confidence_logit():
     scaled = model.draft(req)[0]
     logit = torch.log(raw.confidences) - torch.log1p(-raw.confidences)
     assert torch.allclose(scaled.confidences, torch.sigmoid(logit / temps), atol=1e-5)
+    biases = torch.tensor([-0.5, 0.0, 1.0, -2.0])
+    model.set_confidence_temperatures(temps, biases)
+    shifted = model.draft(req)[0]
+    assert torch.allclose(shifted.confidences, torch.sigmoid(logit / temps + biases), atol=1e-5)
+
+
+def test_each_request_gets_the_calibration_of_its_sampling_temperature():
+    model = make_drafter("markov")
+    ids, feats = sequence()
+    model.append_context("g", feats[0, :8], torch.arange(8))
+    model.append_context("s", feats[0, :8], torch.arange(8))
+    def reqs():  # the sampled request draws the same tokens each call (confidences k >= 2 see them)
+        return [DraftRequest("g", int(ids[0, 8]), 8, SamplingParams(0.0)),
+                DraftRequest("s", int(ids[0, 8]), 8, SamplingParams(0.9),
+                             generator=torch.Generator().manual_seed(3))]
+
+    raw = model.draft(reqs())
+    greedy_fit = STSCalibration([1.0, 2.0, 0.5, 3.0], [0.5, 0.0, -1.0, 0.2], sampling_temperature=0.0)
+    t1_fit = STSCalibration([2.0, 1.0, 1.5, 0.7], [-0.3, 1.0, 0.0, 0.0], sampling_temperature=1.0)
+    model.set_confidence_calibration(CalibrationSet([t1_fit, greedy_fit]))
+    calibrated = model.draft(reqs())
+    for block, raw_block, fit in zip(calibrated, raw, (greedy_fit, t1_fit)):
+        assert torch.equal(block.tokens, raw_block.tokens)
+        expected = torch.as_tensor(fit.apply(raw_block.confidences.double().numpy()), dtype=torch.float32)
+        assert torch.allclose(block.confidences, expected, atol=1e-5)
+    with pytest.raises(ValueError, match="gamma"):
+        model.set_confidence_calibration(CalibrationSet([STSCalibration([1.0])]))
 
 
 def test_draft_block_helpers():

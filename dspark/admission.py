@@ -133,6 +133,10 @@ class AdmissionConfig:
     prior_confidence: float = 0.5
     """``async_topk`` warm-up: per-position confidence of the prior block used while there is no
     history (see the module docstring)."""
+    mean_decay: float = 0.9
+    """``async_topk``: weight of the past in the running per-position mean confidence that stands
+    in for positions a round did not draft and for rounds that skipped drafting (0: last round
+    only)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -143,6 +147,8 @@ class AdmissionConfig:
             raise ValueError(f"lag must be >= 1 (0 would be the biased retrospective search), got {self.lag}")
         if not (0.0 <= self.prior_confidence <= 1.0):
             raise ValueError(f"prior_confidence must lie in [0, 1], got {self.prior_confidence}")
+        if not (0.0 <= self.mean_decay < 1.0):
+            raise ValueError(f"mean_decay must lie in [0, 1), got {self.mean_decay}")
 
 
 # ------------------------------------------------------------------------------------- pure maths
@@ -324,6 +330,12 @@ class AsyncTopKAdmission:
     """``async_topk`` with a structural lag: step t admits the top-K of its fresh candidates, where
     K was computed by the call for step ``t - lag`` from *that* step's candidates and the cost table
     as it stood then. Each call then computes, from its own candidates, the K for step ``t + lag``.
+
+    A running per-position mean of the confidences seen so far (``mean_confidence``, old rounds
+    only) fills in what a round does not have: positions it did not draft (the engine drafts only
+    K + 1 of them once K is known) and whole rounds that skipped drafting because their K was 0.
+    Without it, K could rise by only one position per ``lag`` rounds, and one unlucky block would
+    hand K = 0 from skipped round to skipped round until a probe.
     """
 
     def __init__(
@@ -332,6 +344,7 @@ class AsyncTopKAdmission:
         lag: int = 2,
         objective: ThetaObjective = ThetaObjective.PAPER,
         prior_confidence: float = 0.5,
+        mean_decay: float = 0.9,
     ) -> None:
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
@@ -339,27 +352,61 @@ class AsyncTopKAdmission:
         self.lag = lag
         self.objective = objective
         self.prior_confidence = prior_confidence
+        self.mean_decay = mean_decay
         self._capacity_for_step: dict[int, int] = {}  # step index -> K computed lag steps earlier
+        self.mean_confidence = np.zeros(0)
+        """Running mean conditional confidence per draft position ``[positions seen]``."""
         self.capacity_used: int | None = None
         """K used by the last :meth:`admit` call (before clipping to the available candidates)."""
         self.used_prior: bool = False
         """Whether the last call had no history and used the warm-up prior K."""
 
-    def admit(self, c_fresh: Any, step_index: int, max_lengths: Any = None) -> np.ndarray:
-        """Lengths ``[num_requests]`` for step ``step_index`` from confidences ``[num_requests, gamma]``."""
-        a = survival_probs(c_fresh)  # [num_requests, gamma]
-        num_requests, gamma = a.shape
+    def _mean_block(self, num_requests: int, block_size: int) -> np.ndarray:
+        """``[num_requests, block_size]`` of the running means (the prior where none yet)."""
+        means = np.full(block_size, self.prior_confidence)
+        seen = min(block_size, self.mean_confidence.size)
+        means[:seen] = self.mean_confidence[:seen]
+        return np.broadcast_to(means, (num_requests, block_size))
+
+    def _update_means(self, c: np.ndarray) -> None:
+        """Fold this round's per-position batch means ``c [num_requests, n]`` into the running mean."""
+        fresh = c.mean(axis=0)  # [n]
+        old = self.mean_confidence
+        if old.size < fresh.size:  # first sight of these positions: start them at their value
+            old = np.concatenate([old, fresh[old.size:]])
+        old = old.copy()
+        old[:fresh.size] = self.mean_decay * old[:fresh.size] + (1.0 - self.mean_decay) * fresh
+        self.mean_confidence = old
+
+    def admit(self, c_fresh: Any, step_index: int, max_lengths: Any = None,
+              block_size: int | None = None) -> np.ndarray:
+        """Lengths ``[num_requests]`` for step ``step_index`` from confidences ``[num_requests, n]``.
+
+        block_size: the drafter's whole block (>= n) when it drafted only the first n positions;
+        the K handed to step ``t + lag`` then sees positions n+1..block_size at their running
+        means (after this round's own).
+        """
+        c = _as_confidences(c_fresh)
+        a = survival_probs(c)  # [num_requests, n]
+        num_requests, n = a.shape
         # 1. K for this step: decided lag steps ago (or the token-free warm-up prior).
         k = self._capacity_for_step.pop(step_index, None)
         self.used_prior = k is None
         if k is None:
-            prior = prior_candidates(num_requests, gamma, self.prior_confidence, max_lengths)
+            prior = prior_candidates(num_requests, n, self.prior_confidence, max_lengths)
             k = best_capacity(prior, self.cost_table, self.objective)
         self.capacity_used = k
         # 2. Admit the top-K fresh candidates.
         candidates = sorted_candidates(a, max_lengths)
         lengths = admit_top_k(candidates, k)
         # 3. From this step's information, the K of step t + lag; forget steps already past.
+        self._update_means(c)
+        if block_size is not None and block_size > n:
+            extended = np.concatenate(
+                [c, self._mean_block(num_requests, block_size)[:, n:]], axis=1)  # [R, block_size]
+            caps = None if max_lengths is None else np.where(
+                np.asarray(max_lengths) >= n, block_size, np.asarray(max_lengths))
+            candidates = sorted_candidates(survival_probs(extended), caps)
         for stale in [s for s in self._capacity_for_step if s <= step_index]:
             del self._capacity_for_step[stale]
         self._capacity_for_step[step_index + self.lag] = best_capacity(
@@ -371,12 +418,19 @@ class AsyncTopKAdmission:
         """K already decided for step ``step_index`` (None: no history, the prior will decide)."""
         return self._capacity_for_step.get(step_index)
 
-    def skip(self, step_index: int) -> None:
-        """Step ``step_index`` drafted nothing because its K was 0: it verifies no drafts and, with
-        no fresh candidates, hands K = 0 on to step ``t + lag`` (a later probe refreshes it)."""
+    def skip(self, step_index: int, num_requests: int | None = None,
+             block_size: int | None = None) -> None:
+        """Step ``step_index`` drafted nothing because its K was 0: it verifies no drafts. With no
+        fresh candidates, the K of step ``t + lag`` comes from a block of running means for
+        ``num_requests`` requests (0 if they are not given or nothing was seen yet)."""
         for stale in [s for s in self._capacity_for_step if s <= step_index]:
             del self._capacity_for_step[stale]
-        self._capacity_for_step[step_index + self.lag] = 0
+        k = 0
+        if num_requests and block_size and self.mean_confidence.size:
+            means = self._mean_block(num_requests, block_size)
+            k = best_capacity(sorted_candidates(survival_probs(means)), self.cost_table,
+                              self.objective)
+        self._capacity_for_step[step_index + self.lag] = k
         self.capacity_used = 0
         self.used_prior = False
 
@@ -391,7 +445,8 @@ class Admitter:
         if kind in (PolicyKind.SYNC_GREEDY, PolicyKind.ASYNC_TOPK) and cost_table is None:
             raise ValueError(f"policy {config.policy} needs a cost table")
         self._async = (
-            AsyncTopKAdmission(cost_table, config.lag, config.objective, config.prior_confidence)
+            AsyncTopKAdmission(cost_table, config.lag, config.objective, config.prior_confidence,
+                               config.mean_decay)
             if kind is PolicyKind.ASYNC_TOPK
             else None
         )
@@ -415,13 +470,15 @@ class Admitter:
         the values of this step's drafts.)"""
         return self._async is not None and self._async.planned_capacity(self._step) == 0
 
-    def skip(self) -> None:
-        """Record a step that drafted nothing because :meth:`capacity_known_zero` held."""
+    def skip(self, num_requests: int | None = None, block_size: int | None = None) -> None:
+        """Record a step that drafted nothing because :meth:`capacity_known_zero` held (for
+        ``num_requests`` running requests with blocks of ``block_size``, if given)."""
         assert self.capacity_known_zero(), "skip() is only for steps whose K is known to be 0"
-        self._async.skip(self._step)
+        self._async.skip(self._step, num_requests, block_size)
         self._step += 1
 
-    def admit(self, c: Any, step_index: int | None = None, max_lengths: Any = None) -> np.ndarray:
+    def admit(self, c: Any, step_index: int | None = None, max_lengths: Any = None,
+              block_size: int | None = None) -> np.ndarray:
         """Lengths ``[num_requests]`` (int64, 0..gamma) for confidences ``c [num_requests, gamma]``.
 
         ``step_index`` numbers the rounds (only ``async_topk`` uses it); by default consecutive calls
@@ -446,5 +503,5 @@ class Admitter:
                 objective = ThetaObjective.PAPER
             return admit_sync_greedy(c, self.cost_table, max_lengths, objective)
         if kind is PolicyKind.ASYNC_TOPK:
-            return self._async.admit(c, step_index, max_lengths)
+            return self._async.admit(c, step_index, max_lengths, block_size)
         raise AssertionError(f"unhandled policy {kind}")

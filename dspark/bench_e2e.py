@@ -8,6 +8,8 @@ Rows (`--methods`, in this order):
 - `dspark-paper`: the same with the paper's objective Theta = tau * SPS(B), which takes drafting
   as free (`ThetaObjective.PAPER`); `dspark` charges a round that verifies drafts for drafting
   them too (`SHARED_DEVICE`, the engine's default), as drafter and target share this CPU;
+- `dspark-sync`: the same drafter with `sync_greedy` (the paper's Algorithm 1: drafts every
+  round, then admits by Theta with SPS(B));
 - `hf-generate`: transformers `generate` on the same weights in this process;
 - `hf-prompt-lookup`: transformers prompt-lookup decoding (`prompt_lookup_num_tokens`).
 A row whose drafter checkpoint is missing is reported as missing.
@@ -111,10 +113,12 @@ ROWS: dict[str, RowSpec] = {r.name: r for r in (
     RowSpec("dspark", "DSpark (async_topk)", RowKind.ENGINE, "dspark", "async_topk"),
     RowSpec("dspark-paper", "DSpark (async_topk, drafting taken as free)", RowKind.ENGINE, "dspark",
             "async_topk", ThetaObjective.PAPER),
+    RowSpec("dspark-sync", "DSpark (sync_greedy)", RowKind.ENGINE, "dspark", "sync_greedy"),
     RowSpec("hf-generate", "transformers generate", RowKind.HF_GENERATE),
     RowSpec("hf-prompt-lookup", "transformers prompt lookup", RowKind.HF_PROMPT_LOOKUP),
 )}
 ROW_ALIASES = {"none": "target", "target-only": "target", "mtp-1": "mtp1", "hf": "hf-generate",
+               "sync_greedy": "dspark-sync", "dspark-sync-greedy": "dspark-sync",
                "pld": "hf-prompt-lookup", "prompt-lookup": "hf-prompt-lookup"}
 
 
@@ -432,7 +436,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
             if policy == FULL_BLOCK:
                 policy = f"fixed:{drafter.gamma}"
             notes[name] = f"{policy}, gamma {drafter.gamma}"
-            if spec.policy == "async_topk":  # the only policy here that reads the confidences
+            if spec.policy in ("async_topk", "sync_greedy"):  # the policies that read confidences
                 calibrated = load_calibration(folder) is not None
                 notes[name] += ", STS calibrated" if calibrated else ", no calibration.json"
             runner = runners[layer_ids]

@@ -221,7 +221,7 @@ class Engine:
         lengths = np.zeros(len(running), dtype=np.int64)
         drafting = self.speculative and not self._skip_drafting()
         if self.speculative and not drafting:
-            self.admitter.skip()
+            self.admitter.skip(len(running), gamma)
             self._rounds_without_draft += 1
             self.stats.skipped_draft_rounds += 1
             self.stats.capacity.append(0)
@@ -238,7 +238,7 @@ class Engine:
             # No request verifies more drafts than it may still emit (the bonus is the +1).
             caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
                              for r in running])
-            lengths = self.admitter.admit(confidences, max_lengths=caps)
+            lengths = self.admitter.admit(confidences, max_lengths=caps, block_size=gamma)
             end = time.perf_counter()
             self.stats.draft_seconds += mid - start
             self.stats.admission_seconds += end - mid

@@ -384,6 +384,50 @@ def test_async_lag_is_structural(lag):
     assert all(k == 0 for k in used[lag + 1:])
 
 
+def nearly_flat_table() -> CostTable:
+    """Verifying one more token costs almost nothing: every positive-survival draft pays."""
+    return CostTable.from_step_seconds({b: 0.03 + 0.0001 * b for b in range(1, 41)})
+
+
+def test_async_sees_undrafted_positions_at_their_running_means():
+    table = nearly_flat_table()
+    admitter = AsyncTopKAdmission(table, lag=2, prior_confidence=0.5, mean_decay=0.0)
+    full = np.array([[0.9, 0.8, 0.7, 0.6], [0.5, 0.4, 0.9, 0.9]])
+    admitter.admit(full, 0)  # the whole block: every position's mean is known
+    short = np.array([[0.95, 0.9], [0.3, 0.8]])
+    admitter.admit(short, 1, block_size=4)  # only 2 of 4 positions drafted
+    # decay 0: positions 1-2 take this round's batch means; 3-4 keep step 0's column means
+    np.testing.assert_allclose(admitter.mean_confidence, [0.625, 0.85, 0.8, 0.75])
+    extended = np.array([[0.95, 0.9, 0.8, 0.75], [0.3, 0.8, 0.8, 0.75]])
+    a = reference_survival(extended)
+    k = admitter.planned_capacity(3)
+    assert k == 8  # more than the 2 x 2 drafted candidates could ever give
+    lengths = admit_top_k(sorted_candidates(survival_probs(extended)), k)
+    assert reference_theta(a, lengths, table) == pytest.approx(brute_force_best(a, table), rel=1e-12)
+    # without block_size, K is capped by what was drafted (the old behaviour)
+    plain = AsyncTopKAdmission(table, lag=2, prior_confidence=0.5)
+    plain.admit(short, 1)
+    assert plain.planned_capacity(3) == 4
+
+
+@pytest.mark.parametrize("steep", [False, True])
+def test_async_skip_hands_on_the_capacity_of_the_running_means(steep):
+    table = (CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)}) if steep
+             else nearly_flat_table())
+    admitter = AsyncTopKAdmission(table, lag=2, prior_confidence=0.0, mean_decay=0.5)
+    admitter.admit(np.full((2, 3), 0.6), 0)
+    admitter.skip(1, num_requests=2, block_size=3)
+    means = np.full((2, 3), 0.6)
+    a = reference_survival(means)
+    best = max(itertools.product(range(4), range(4)),
+               key=lambda lengths: (reference_theta(a, lengths, table), -sum(lengths)))
+    assert admitter.planned_capacity(3) == sum(best)
+    assert (admitter.planned_capacity(3) == 0) == steep
+    # a skip that names no requests hands on 0, as before
+    admitter.skip(2)
+    assert admitter.planned_capacity(4) == 0
+
+
 def test_admitter_async_default_step_numbering_and_gap():
     table = sawtooth_table()
     admitter = Admitter(AdmissionConfig(policy="async_topk", prior_confidence=0.0), table)

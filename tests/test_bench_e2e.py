@@ -126,6 +126,8 @@ def test_bench_tables_json_and_ratios(setup, tmp_path, capsys):
         assert str(ckpts / "dflash") in rows["dflash"]["note"]
         assert "batch 1 only" in rows["hf-prompt-lookup"]["note"]
         assert "STS calibrated" in rows["dspark"]["note"]
+        assert rows["dspark-sync"]["note"].startswith("sync_greedy")
+        assert "STS calibrated" in rows["dspark-sync"]["note"]
         base = rows["target"]["datasets"]
         base_macro = sum(base[d]["tokens"] / base[d]["seconds"] for d in DATASETS) / len(DATASETS)
         for name, r in rows.items():

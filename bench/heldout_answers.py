@@ -38,6 +38,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
+    from dspark.evaluation.eval_cli import stop_token_ids
     from dspark.fetch import ensure_model
     from dspark.models.runner import RunnerConfig, TargetRunner
     from dspark.sampling import SamplingParams
@@ -48,9 +49,7 @@ def main() -> int:
         print(f"{args.data}: no held-out records", file=sys.stderr)
         return 2
     model_dir = ensure_model()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eos = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    eos.discard(None)
+    eos = set(stop_token_ids(AutoTokenizer.from_pretrained(model_dir)))
     runner = TargetRunner(model_dir, RunnerConfig(kv_cache_tokens=args.batch_size * 2048))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     by_id = {r["id"]: r for r in records}

@@ -513,14 +513,33 @@ def _best_temperature(
 
     prefix, logit_c, observed: [num_samples]; grid: [num_candidates]. Returns (T, ece).
     """
-    eces = []
-    for start in range(0, grid.size, config.chunk):
-        temps = grid[start : start + config.chunk]  # [chunk]
-        preds = prefix[None, :] * _sigmoid_np(logit_c[None, :] / temps[:, None])  # [chunk, num_samples]
-        eces.append(_ece_many(preds, observed, config.num_bins))
-    eces_all = np.concatenate(eces)  # [num_candidates]
-    best = int(np.argmin(eces_all))
-    return float(grid[best]), float(eces_all[best])
+    t, _, ece = _best_map(prefix, logit_c, grid, np.zeros(1),
+                          lambda preds: _ece_many(preds, observed, config.num_bins), config.chunk)
+    return t, ece
+
+
+def _best_map(
+    prefix: np.ndarray, logit_c: np.ndarray, temps: np.ndarray, shifts: np.ndarray, score,
+    chunk: int,
+) -> tuple[float, float, float]:
+    """argmin over temps x shifts of score(prefix * sigmoid(logit_c / T + b)), first minimum in
+    (T, b) row-major order on ties.
+
+    prefix, logit_c: [num_samples]; temps: [num_t]; shifts: [num_b]; score maps predictions
+    [candidates, num_samples] to [candidates]; chunk candidates are scored at once.
+    Returns (T, b, score).
+    """
+    cand_t = np.repeat(temps, shifts.size)  # [num_t * num_b]
+    cand_b = np.tile(shifts, temps.size)  # [num_t * num_b]
+    scores = []
+    for start in range(0, cand_t.size, chunk):
+        t = cand_t[start : start + chunk, None]  # [chunk, 1]
+        b = cand_b[start : start + chunk, None]  # [chunk, 1]
+        preds = prefix[None, :] * _sigmoid_np(logit_c[None, :] / t + b)  # [chunk, num_samples]
+        scores.append(score(preds))
+    scores_all = np.concatenate(scores)  # [num_t * num_b]
+    best = int(np.argmin(scores_all))
+    return float(cand_t[best]), float(cand_b[best]), float(scores_all[best])
 
 
 def _log_loss_many(preds: np.ndarray, observed: np.ndarray) -> np.ndarray:
@@ -539,17 +558,8 @@ def _best_temperature_and_shift(
     prefix, logit_c, observed: [num_samples]; temps: [num_t]; shifts: [num_b]. Ties go to the
     first candidate in (T, b) row-major order. Returns (T, b, log-loss).
     """
-    cand_t = np.repeat(temps, shifts.size)  # [num_t * num_b]
-    cand_b = np.tile(shifts, temps.size)  # [num_t * num_b]
-    losses = []
-    for start in range(0, cand_t.size, config.chunk):
-        t = cand_t[start : start + config.chunk, None]  # [chunk, 1]
-        b = cand_b[start : start + config.chunk, None]  # [chunk, 1]
-        preds = prefix[None, :] * _sigmoid_np(logit_c[None, :] / t + b)  # [chunk, num_samples]
-        losses.append(_log_loss_many(preds, observed))
-    losses_all = np.concatenate(losses)  # [num_t * num_b]
-    best = int(np.argmin(losses_all))
-    return float(cand_t[best]), float(cand_b[best]), float(losses_all[best])
+    return _best_map(prefix, logit_c, temps, shifts,
+                     lambda preds: _log_loss_many(preds, observed), config.chunk)
 
 
 def _fit_position_shifted(
@@ -671,8 +681,8 @@ class CalibrationReport:
     temperatures: list[float]
     num_samples: int
     num_bins: int
-    biases: list[float] | None = None
-    """The calibration's shifts b_k (None or all zero: plain STS)."""
+    biases: list[float]
+    """The calibration's shifts b_k (all zero: plain STS)."""
 
     @property
     def mean_ece_before(self) -> float:
@@ -687,7 +697,7 @@ class CalibrationReport:
             "num_samples": self.num_samples,
             "num_bins": self.num_bins,
             "temperatures": list(self.temperatures),
-            "biases": list(self.biases or [0.0] * len(self.temperatures)),
+            "biases": list(self.biases),
             "mean_ece_before": self.mean_ece_before,
             "mean_ece_after": self.mean_ece_after,
             "positions": [dataclasses.asdict(p) for p in self.positions],
@@ -700,8 +710,7 @@ class CalibrationReport:
             f"{'AUC':>6} {'Brier raw':>9} {'Brier sts':>9}"
         )
         lines = [header]
-        biases = self.biases or [0.0] * len(self.temperatures)
-        for p, t, b in zip(self.positions, self.temperatures, biases):
+        for p, t, b in zip(self.positions, self.temperatures, self.biases):
             lines.append(
                 f"{p.position:>3} {t:>7.3f} {b:>+7.3f} {p.num_at_risk:>8d} {p.observed_survival:>6.3f} "
                 f"{100 * p.ece_before:>7.2f}% {100 * p.ece_after:>7.2f}% "

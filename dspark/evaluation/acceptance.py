@@ -165,7 +165,7 @@ class AcceptanceSummary:
                 auc=[_finite_or_none(p.auc_conditional) for p in cal.positions],
                 auc_prefix=[_finite_or_none(p.auc_prefix_after) for p in cal.positions],
                 sts_temperatures=list(cal.temperatures),
-                sts_biases=list(cal.biases or [0.0] * len(cal.temperatures)))
+                sts_biases=list(cal.biases))
         return out
 
 

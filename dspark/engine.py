@@ -51,6 +51,11 @@ class EngineConfig:
     skips drafting; but at least every `probe_interval` rounds the drafter drafts anyway, so that
     fresh confidences can raise K again. 0 = always draft. When drafter and verifier share one
     device, drafting costs the round time; this keeps a weak drafter from slowing decoding."""
+    max_probe_interval: int = 64
+    """A probe that again leads to K = 0 doubles the interval, up to this many rounds; a round
+    that verifies drafts, or a request joining the batch, brings it back to `probe_interval`.
+    Under load that no draft can pay for, probes then cost a few tenths of a percent instead
+    of a few percent (a probe drafts for every running request). = probe_interval: no backoff."""
 
     objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
     """What admission maximises. SHARED_DEVICE (default): drafting and verification take turns
@@ -67,6 +72,9 @@ class EngineConfig:
             raise ValueError("max_running must be >= 1")
         if self.probe_interval < 0:
             raise ValueError("probe_interval must be >= 0")
+        if self.max_probe_interval < self.probe_interval:
+            raise ValueError(f"max_probe_interval ({self.max_probe_interval}) must be >= "
+                             f"probe_interval ({self.probe_interval})")
 
 
 @dataclass
@@ -161,6 +169,8 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._rounds_without_draft = 0
+        self._probe_interval = config.probe_interval
+        """Rounds between probes now: probe_interval, doubled after each fruitless probe."""
         self.round_observer: Callable[[RoundRecord], None] | None = None
         """Called once per speculative round (after verification) with its RoundRecord."""
 
@@ -199,6 +209,7 @@ class Engine:
         if not joining:
             return []
         self.waiting = self.waiting[len(joining):]
+        self._probe_interval = self.config.probe_interval  # new requests: new evidence soon
         start = time.perf_counter()
         out = self.verifier.prefill([r.request_id for r in joining], [r.prompt_ids for r in joining],
                                     [r.sampling for r in joining], [r.generator for r in joining])
@@ -246,6 +257,7 @@ class Engine:
                 self.cost_table.observe_draft(mid - start)
             if self.admitter.capacity_used is not None:
                 self.stats.capacity.append(self.admitter.capacity_used)
+                self._back_off_probes(self.admitter.capacity_used)
 
         result = self.verifier.verify([
             VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator)
@@ -283,9 +295,19 @@ class Engine:
 
     def _skip_drafting(self) -> bool:
         """Whether this round's K is known to be 0 (async_topk) and no probe is due."""
-        interval = self.config.probe_interval
+        interval = self._probe_interval
         return (interval > 0 and self._rounds_without_draft < interval - 1
                 and self.admitter.capacity_known_zero())
+
+    def _back_off_probes(self, capacity_used: int) -> None:
+        """After a drafting round: a probe (K was 0, so it verified nothing) doubles the probe
+        interval, up to max_probe_interval; a round that could verify drafts resets it. Only
+        past rounds' K decide, never this round's drafts."""
+        base = self.config.probe_interval
+        if capacity_used > 0 or base == 0:
+            self._probe_interval = base
+        else:
+            self._probe_interval = min(2 * self._probe_interval, self.config.max_probe_interval)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _record_metrics(self, r: Request, verified: int, accepted: int, gamma: int) -> None:

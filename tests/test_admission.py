@@ -396,9 +396,11 @@ def test_async_sees_undrafted_positions_at_their_running_means():
     admitter.admit(full, 0)  # the whole block: every position's mean is known
     short = np.array([[0.95, 0.9], [0.3, 0.8]])
     admitter.admit(short, 1, block_size=4)  # only 2 of 4 positions drafted
-    # decay 0: positions 1-2 take this round's batch means; 3-4 keep step 0's column means
-    np.testing.assert_allclose(admitter.mean_confidence, [0.625, 0.85, 0.8, 0.75])
-    extended = np.array([[0.95, 0.9, 0.8, 0.75], [0.3, 0.8, 0.8, 0.75]])
+    # decay 0: positions 1-2 take this round's batch means; 3-4 keep their ratio to position 1
+    # (step 0: 0.8 / 0.7 and 0.75 / 0.7), so they move from 0.8, 0.75 as position 1 moves 0.7 -> 0.625
+    m3, m4 = 0.8 * 0.625 / 0.7, 0.75 * 0.625 / 0.7
+    np.testing.assert_allclose(admitter.mean_confidence, [0.625, 0.85, m3, m4])
+    extended = np.array([[0.95, 0.9, m3, m4], [0.3, 0.8, m3, m4]])
     a = reference_survival(extended)
     k = admitter.planned_capacity(3)
     assert k == 8  # more than the 2 x 2 drafted candidates could ever give
@@ -408,6 +410,23 @@ def test_async_sees_undrafted_positions_at_their_running_means():
     plain = AsyncTopKAdmission(table, lag=2, prior_confidence=0.5)
     plain.admit(short, 1)
     assert plain.planned_capacity(3) == 4
+
+
+def test_async_undrafted_means_follow_position_one_down():
+    """A burst of confident early rounds must not freeze the means of positions that later
+    rounds stop drafting: they keep their ratio to position 1 as it falls."""
+    admitter = AsyncTopKAdmission(nearly_flat_table(), lag=2, prior_confidence=0.5, mean_decay=0.5)
+    admitter.admit(np.array([[0.8, 0.9, 0.6]]), 0)  # whole block drafted
+    for step in range(1, 6):
+        admitter.admit(np.array([[0.2]]), step, block_size=3)  # only position 1 from now on
+    m1 = admitter.mean_confidence[0]
+    assert m1 == pytest.approx(0.2 + 0.6 * 0.5 ** 5)
+    np.testing.assert_allclose(admitter.mean_confidence[1:], [0.9 * m1 / 0.8, 0.6 * m1 / 0.8])
+    # ratios above 1 are capped: a mean confidence is a probability
+    capped = AsyncTopKAdmission(nearly_flat_table(), lag=2, mean_decay=0.0)
+    capped.admit(np.array([[0.5, 0.9]]), 0)
+    capped.admit(np.array([[0.9]]), 1, block_size=2)
+    np.testing.assert_allclose(capped.mean_confidence, [0.9, 1.0])
 
 
 @pytest.mark.parametrize("steep", [False, True])

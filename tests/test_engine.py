@@ -113,7 +113,8 @@ def test_async_topk_skips_drafting_when_capacity_is_zero(tiny_target, reference_
     warm-up: those rounds skip the drafter, one round in `probe_interval` drafts anyway, and the
     output is still the target's greedy output."""
     steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
-    engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=steep, probe_interval=4)
+    engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=steep, probe_interval=4,
+                         max_probe_interval=4)  # no backoff here: see the next test
     drafted = []
     engine.round_observer = lambda record: drafted.append(record)
     done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24)
@@ -126,6 +127,31 @@ def test_async_topk_skips_drafting_when_capacity_is_zero(tiny_target, reference_
     engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=steep, probe_interval=0)
     done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24)
     assert done[0].output_ids == reference_greedy[0] and engine.stats.skipped_draft_rounds == 0
+
+
+def test_async_topk_probes_back_off_and_a_join_resets_them(tiny_target, reference_greedy):
+    """Under a cost table where no draft pays, every drafting round that verifies nothing doubles
+    the gap to the next probe (2 -> 4 -> 8, capped at 8). The two warm-up rounds (K from the
+    prior, 0 here) are such rounds, so the probes come every 8 rounds after them; a request
+    joining brings the gap back to 2, and it doubles again from there. Output stays exact."""
+    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=2,
+                         max_probe_interval=8)
+    drafted_at = []  # the rounds (1-based) that drafted
+    engine.round_observer = lambda record: drafted_at.append(engine.stats.rounds)
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=25, request_id="a")
+    requests = {"a": engine.waiting[-1]}
+    while engine.stats.rounds < 18:
+        engine.step()
+    assert drafted_at == [1, 2, 10, 18]
+    engine.add_request(PROMPTS[1], SamplingParams(temperature=0), max_tokens=20, request_id="b")
+    requests["b"] = engine.waiting[-1]
+    while engine.has_unfinished():
+        engine.step()
+    assert drafted_at == [1, 2, 10, 18, 20, 24, 32]  # "b" joined in round 19
+    assert max(engine.stats.capacity) == 0  # no round could verify a draft
+    assert requests["a"].output_ids == reference_greedy[0] + requests["a"].output_ids[24:]
+    assert requests["b"].output_ids == reference_greedy[1][:20]
 
 
 def test_async_topk_drafts_only_the_positions_it_can_verify(tiny_target, reference_greedy):
@@ -229,3 +255,9 @@ def test_sampled_joint_distribution_is_the_targets(tiny_target, policy):
     exp = torch.cat([exp_counts[big], exp_counts[~big].sum(0, keepdim=True)])
     exp = exp / exp.sum() * obs.sum()
     assert float(chisquare(obs.numpy(), exp.numpy()).pvalue) > 1e-3
+
+
+def test_engine_config_rejects_a_probe_cap_below_the_interval():
+    with pytest.raises(ValueError, match="max_probe_interval"):
+        EngineConfig(probe_interval=8, max_probe_interval=4)
+    assert EngineConfig(probe_interval=0, max_probe_interval=0).max_probe_interval == 0

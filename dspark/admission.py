@@ -480,7 +480,7 @@ class Admitter:
         verifies no drafts whatever the drafter returns, so the caller may skip drafting and call
         :meth:`skip` instead of :meth:`admit`. (The decision uses only old information: never
         the values of this step's drafts.)"""
-        return self._async is not None and self._async.planned_capacity(self._step) == 0
+        return self.planned_capacity() == 0
 
     def skip(self, num_requests: int | None = None, block_size: int | None = None) -> None:
         """Record a step that drafted nothing because :meth:`capacity_known_zero` held (for

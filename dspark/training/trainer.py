@@ -490,15 +490,14 @@ class Trainer:
             self._load_checkpoint()
 
     def _load_drafter_weights(self, folder: str) -> None:
-        from dspark.models.drafter_io import draft_token_ids_from, load_drafter, read_checkpoint
+        from dspark.models.drafter_io import load_drafter
 
-        config, tensors = read_checkpoint(folder)
-        ids = draft_token_ids_from(tensors, config)
+        source = load_drafter(folder, self.teacher.embed_weight.cpu().float(),
+                              self.teacher.lm_head_weight.cpu().float())
+        ids = source.draft_to_target if source.config.draft_vocab_size is not None else None
         if (ids is None) != (self.draft_ids is None) or (
                 ids is not None and not torch.equal(ids.cpu(), self.draft_ids.cpu())):
             raise ValueError(f"{folder}: its draft vocabulary is not the one this data selects")
-        source = load_drafter(folder, self.teacher.embed_weight.cpu().float(),
-                              self.teacher.lm_head_weight.cpu().float())
         try:
             self.model.load_state_dict(source.state_dict(), strict=True)
         except RuntimeError as exc:

@@ -17,6 +17,7 @@ import json
 import re
 import select
 import socket
+import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -52,6 +53,13 @@ class RestServer(ThreadingHTTPServer):
         self.api_keys = api_keys
         self.render_metrics = render_metrics
         self.health = health
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that drops its connection (a load test stopping, a closed browser tab) is
+        normal; socketserver would print a traceback for it. Anything else still prints one."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
 
 
 class RestHandler(BaseHTTPRequestHandler):

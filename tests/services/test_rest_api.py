@@ -68,3 +68,25 @@ def test_models_health_and_metrics(stack):
     assert values["dspark:generation_tokens_total"] >= 8
     assert values["dspark:spec_decode_num_draft_tokens_total"] > 0  # it really speculates
     assert values["dspark:spec_decode_drafter_available"] == 1
+
+
+def test_a_client_resetting_its_connection_is_not_an_error(stack):
+    """A client that drops its connection mid-request (a load test stopping) must not leave a
+    traceback in the scheduler's log, and the server keeps serving."""
+    import socket
+    import struct
+    import time
+
+    before = stack.processes["scheduler"].log_text().count("Traceback")
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", stack.http_port), timeout=5)
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.recv(1)  # the server has read the request and is answering on a kept-alive connection
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # linger 0: the close is a reset (RST), not a FIN
+    time.sleep(0.5)
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{stack.http_port}/v1/models",
+            headers={"Authorization": f"Bearer {stack.api_key}"}), timeout=10) as resp:
+        assert resp.status == 200
+    assert stack.processes["scheduler"].log_text().count("Traceback") == before

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
@@ -30,18 +30,36 @@ def counter_values(text: str, prefix: str = "dspark:") -> dict[str, float]:
     return out
 
 
+def stage_seconds(text: str, prefix: str = "dspark:") -> dict[str, float]:
+    """`round_seconds_total` by its `stage` label (empty for a scheduler without it)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if not match or match.group(1) != f"{prefix}round_seconds_total" or not match.group(2):
+            continue
+        stage = re.search(r'stage="([^"]*)"', match.group(2))
+        if stage:
+            out[stage.group(1)] = out.get(stage.group(1), 0.0) + float(match.group(3))
+    return out
+
+
 @dataclass(frozen=True)
 class SpeculationDelta:
     drafts: float
     draft_tokens: float
     accepted_tokens: float
     generated_tokens: float
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Engine seconds by stage over the level (prefill, draft, admission, verify, other)."""
 
     @classmethod
-    def between(cls, before: dict[str, float], after: dict[str, float]) -> "SpeculationDelta":
+    def between(cls, before: dict[str, float], after: dict[str, float],
+                stages_before: dict[str, float] | None = None,
+                stages_after: dict[str, float] | None = None) -> "SpeculationDelta":
         d = {k: after[k] - before[k] for k in COUNTERS}
+        stages = {k: v - (stages_before or {}).get(k, 0.0) for k, v in (stages_after or {}).items()}
         return cls(d["spec_decode_num_drafts_total"], d["spec_decode_num_draft_tokens_total"],
-                   d["spec_decode_num_accepted_tokens_total"], d["generation_tokens_total"])
+                   d["spec_decode_num_accepted_tokens_total"], d["generation_tokens_total"], stages)
 
     @property
     def mean_verification_length(self) -> float:

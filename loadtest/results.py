@@ -35,6 +35,9 @@ class LevelResult:
     scheduler_generated_tokens: float
     sla_attainment: dict[float, float] = field(default_factory=dict)
     """SLA (tokens/s) -> share of responses at or above it."""
+    stage_share: dict[str, float] = field(default_factory=dict)
+    """Engine stage (prefill, draft, admission, verify, other) -> its share of the engine's
+    time over the level (the scheduler's `round_seconds_total`)."""
 
     @classmethod
     def from_run(cls, policy: str, users: int, summary: dict, delta: SpeculationDelta,
@@ -54,12 +57,15 @@ class LevelResult:
         return cls(policy, users, summary["seconds"], len(responses), summary["errors"],
                    mean(speeds), median(speeds), mean(ttfts), median(ttfts),
                    summary["aggregate_tokens_per_s"], delta.mean_verification_length,
-                   delta.acceptance_length, delta.generated_tokens, attainment)
+                   delta.acceptance_length, delta.generated_tokens, attainment,
+                   _shares(delta.stage_seconds))
 
     def row(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "sla_attainment"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("sla_attainment", "stage_share")}
         for sla, share in self.sla_attainment.items():
             out[f"sla_{sla:g}_attainment"] = share
+        for stage, share in self.stage_share.items():
+            out[f"{stage}_share"] = share
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
@@ -91,6 +97,12 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         raise ValueError(f"nothing to write to {path}")
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        columns = list(dict.fromkeys(key for row in rows for key in row))  # every row's, in order
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def _shares(seconds: dict[str, float]) -> dict[str, float]:
+    total = sum(seconds.values())
+    return {stage: round(value / total, 4) for stage, value in seconds.items()} if total > 0 else {}

@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `dspark loadtest` runs from the installed console script
     sys.path.insert(0, str(REPO_ROOT))
 
-from loadtest.prometheus import SpeculationDelta, counter_values  # noqa: E402
+from loadtest.prometheus import SpeculationDelta, counter_values, stage_seconds  # noqa: E402
 from loadtest.results import LevelResult, sla_table, write_csv  # noqa: E402
 
 POLICIES = "none,fixed:1,fixed:7,sync_greedy,async_topk"
@@ -105,10 +105,13 @@ def sweep_policy(policy: str, models, args: argparse.Namespace, out: Path) -> li
     try:
         stack.warm_up(models.model_name)
         for users in args.users:
-            before = counter_values(stack.metrics_text())
+            text = stack.metrics_text()
+            before, stages_before = counter_values(text), stage_seconds(text)
             summary = run_locust(stack, args, models.model_name, users,
                                  out / "locust" / f"{safe}_u{users}")
-            delta = SpeculationDelta.between(before, counter_values(stack.metrics_text()))
+            text = stack.metrics_text()
+            delta = SpeculationDelta.between(before, counter_values(text), stages_before,
+                                             stage_seconds(text))
             result = LevelResult.from_run(policy, users, summary, delta, args.sla)
             if result.responses == 0:
                 raise RuntimeError(

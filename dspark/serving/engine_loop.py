@@ -179,6 +179,9 @@ class EngineLoop:
         stats = self.engine.stats
         rounds_before, verify_before = stats.rounds, stats.verify_seconds
         capacity_before = len(stats.capacity)
+        stages_before = _stage_seconds(stats)
+        skipped_before = stats.skipped_draft_rounds
+        step_start = time.perf_counter()
         parent, links = self._round_parent()
         with self.tracer.start_as_current_span("scheduler.round", context=parent,
                                                links=links) as span:
@@ -188,6 +191,7 @@ class EngineLoop:
                 self.logger.exception("round failed; failing its requests")
                 self._fail_all(f"{type(e).__name__}: {e}")
                 return
+            step_seconds = time.perf_counter() - step_start
             verified = stats.rounds > rounds_before
             batch_tokens = stats.batch_tokens[-1] if verified else None
             capacity = stats.capacity[-1] if len(stats.capacity) > capacity_before else None
@@ -210,6 +214,9 @@ class EngineLoop:
                                         copy.deepcopy(live.request.metrics) if out.finished else None))
             if out.finished:
                 self._close(rid, out.finish_reason)
+        stages = {k: v - stages_before[k] for k, v in _stage_seconds(stats).items()}
+        stages["other"] = max(0.0, step_seconds - sum(stages.values()))
+        self.metrics.record_stage_seconds(stages, stats.skipped_draft_rounds - skipped_before)
         self.metrics.record_round(
             sum(len(o.new_token_ids) for o in outputs), batch_tokens,
             stats.verify_seconds - verify_before if verified else None, capacity,
@@ -252,3 +259,9 @@ class EngineLoop:
             self.store.save_cost_table(self.cost_table_name, self.engine.cost_table.to_dict())
         except Exception:
             self.logger.exception("saving the cost table failed")
+
+
+def _stage_seconds(stats) -> dict[str, float]:
+    """The engine's cumulative seconds per stage (EngineStats), keyed as ROUND_STAGES."""
+    return {"prefill": stats.prefill_seconds, "draft": stats.draft_seconds,
+            "admission": stats.admission_seconds, "verify": stats.verify_seconds}

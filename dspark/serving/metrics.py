@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 
 PREFIX = "dspark:"
+ROUND_STAGES = ("prefill", "draft", "admission", "verify", "other")
+"""Stages of `dspark:round_seconds_total` (the engine's EngineStats, plus the rest of each step)."""
 
 
 @dataclass
@@ -68,6 +70,9 @@ class SchedulerMetrics:
         self.drafter_available = 1
         self.batch_tokens = _Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.tokens_per_round = _Histogram((1, 2, 3, 4, 5, 6, 8, 12, 16))
+        self.stage_seconds: dict[str, float] = {stage: 0.0 for stage in ROUND_STAGES}
+        """Engine time by stage, summed over rounds (ROUND_STAGES)."""
+        self.skipped_draft_rounds_total = 0
 
     def record_finished(self, reason: str) -> None:
         with self._lock:
@@ -89,6 +94,13 @@ class SchedulerMetrics:
                 self.sps = 1.0 / step_seconds
             if capacity is not None:
                 self.capacity_k = capacity
+
+    def record_stage_seconds(self, seconds: dict[str, float], skipped_draft_rounds: int = 0) -> None:
+        """One engine step's time by stage (keys from ROUND_STAGES) and its skipped drafting rounds."""
+        with self._lock:
+            for stage, value in seconds.items():
+                self.stage_seconds[stage] += value
+            self.skipped_draft_rounds_total += skipped_draft_rounds
 
     def record_speculation(self, num_admitted: list[int], num_accepted: list[int]) -> None:
         """One speculative round: per request, drafts verified (l_r) and accepted."""
@@ -184,6 +196,13 @@ class SchedulerMetrics:
             F("spec_decode_fallback_rounds_total", "counter",
               "Rounds run as plain decoding because the drafter was unavailable.",
               [({}, self.fallback_rounds_total)]),
+            F("round_seconds_total", "counter",
+              "Engine time by stage: prefill, draft (incl. the drafter service round trip), "
+              "admission, verify (the target's step), other (sampling, commits, bookkeeping).",
+              [({"stage": stage}, round(value, 6)) for stage, value in self.stage_seconds.items()]),
+            F("spec_decode_skipped_draft_rounds_total", "counter",
+              "async_topk rounds that did not draft because their capacity K was 0.",
+              [({}, self.skipped_draft_rounds_total)]),
             F("verifier_restores_total", "counter",
               "Requests whose KV cache was rebuilt after a verifier restart.",
               [({}, self.verifier_restores_total)]),

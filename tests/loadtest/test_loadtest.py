@@ -115,6 +115,10 @@ def test_sweep_writes_one_row_per_policy_and_level(tmp_path):
     assert all(float(r["mean_verification_length"]) == 0 for r in rows if r["policy"] == "none")
     assert any(float(r["mean_verification_length"]) > 0 for r in rows
                if r["policy"] == "async_topk")
+    for r in rows:  # the engine's time by stage, from the scheduler's round_seconds_total
+        shares = {s: float(r[f"{s}_share"]) for s in ("prefill", "draft", "admission", "verify", "other")}
+        assert sum(shares.values()) == pytest.approx(1.0, abs=1e-3) and shares["verify"] > 0, r
+        assert (shares["draft"] == 0) == (r["policy"] == "none"), r
 
     with (out / "sla_throughput.csv").open() as f:
         holds = {(r["policy"], float(r["sla_tokens_per_s"])): r for r in csv.DictReader(f)}

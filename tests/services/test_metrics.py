@@ -17,6 +17,8 @@ def filled_metrics() -> SchedulerMetrics:
     m.record_round(generated=4, batch_tokens=5, step_seconds=0.02, capacity=3, running=2,
                    waiting=1)
     m.record_finished("length")
+    m.record_stage_seconds({"draft": 0.25, "verify": 0.5, "other": 0.125}, skipped_draft_rounds=2)
+    m.record_stage_seconds({"draft": 0.25, "prefill": 1.0})
     return m
 
 
@@ -29,6 +31,10 @@ def test_prometheus_text():
     assert 'dspark:spec_decode_verify_batch_tokens_bucket{model_name="tiny",le="8"} 1' in text
     assert 'dspark:request_success_total{model_name="tiny",finished_reason="length"} 1' in text
     assert 'dspark:spec_decode_target_steps_per_second{model_name="tiny"} 50.0' in text
+    assert 'dspark:round_seconds_total{model_name="tiny",stage="draft"} 0.5' in text
+    assert 'dspark:round_seconds_total{model_name="tiny",stage="prefill"} 1.0' in text
+    assert 'dspark:round_seconds_total{model_name="tiny",stage="admission"} 0.0' in text
+    assert 'dspark:spec_decode_skipped_draft_rounds_total{model_name="tiny"} 2' in text
 
 
 def test_otel_bridge_exports_the_same_values():
@@ -50,4 +56,5 @@ def test_otel_bridge_exports_the_same_values():
     assert points[("dspark.spec_decode_num_accepted_tokens_per_pos_total",
                    (("model_name", "tiny"), ("position", "1")))] == 1
     assert points[("dspark.spec_decode_target_steps_per_second", (("model_name", "tiny"),))] == 100
+    assert points[("dspark.round_seconds_total", (("model_name", "tiny"), ("stage", "verify")))] == 0.5
     provider.shutdown()

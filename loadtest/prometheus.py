@@ -17,29 +17,30 @@ COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total"
             "spec_decode_num_accepted_tokens_total", "generation_tokens_total")
 
 
+def _samples(text: str, prefix: str):
+    """(name without prefix, label text or "", value) of every sample whose name has prefix."""
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match and match.group(1).startswith(prefix):
+            yield match.group(1)[len(prefix):], match.group(2) or "", float(match.group(3))
+
+
 def counter_values(text: str, prefix: str = "dspark:") -> dict[str, float]:
     """Unlabelled-by-position samples of COUNTERS (summed over label sets)."""
     out = {name: 0.0 for name in COUNTERS}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if not match or not match.group(1).startswith(prefix):
-            continue
-        name = match.group(1)[len(prefix):]
+    for name, _, value in _samples(text, prefix):
         if name in out:
-            out[name] += float(match.group(3))
+            out[name] += value
     return out
 
 
 def stage_seconds(text: str, prefix: str = "dspark:") -> dict[str, float]:
     """`round_seconds_total` by its `stage` label (empty for a scheduler without it)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if not match or match.group(1) != f"{prefix}round_seconds_total" or not match.group(2):
-            continue
-        stage = re.search(r'stage="([^"]*)"', match.group(2))
+    for name, labels, value in _samples(text, prefix):
+        stage = re.search(r'stage="([^"]*)"', labels) if name == "round_seconds_total" else None
         if stage:
-            out[stage.group(1)] = out.get(stage.group(1), 0.0) + float(match.group(3))
+            out[stage.group(1)] = out.get(stage.group(1), 0.0) + value
     return out
 
 

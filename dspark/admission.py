@@ -426,6 +426,30 @@ class AsyncTopKAdmission:
         )
         return lengths
 
+    def probe(self, c_sample: Any, step_index: int, num_requests: int, block_size: int) -> None:
+        """Step ``step_index`` verifies no drafts (its K is 0), but the drafter drafted a *sample*
+        of its ``num_requests`` requests anyway: a probe, so that fresh confidences can raise K
+        again. ``c_sample [S, n]`` (S <= num_requests, n <= block_size) are the sample's
+        confidences; which requests were sampled must not depend on their drafts. They refresh
+        the running means, and the K of step ``t + lag`` comes from a block in which the sampled
+        requests have their fresh confidences (their undrafted positions the running means) and
+        every other request has the running means: the same candidates :meth:`admit` would build,
+        with the means standing in for the requests not drafted."""
+        c = _as_confidences(c_sample)
+        sampled, n = c.shape
+        if sampled > num_requests or n > block_size:
+            raise ValueError(f"a probe of {sampled} requests x {n} positions does not fit "
+                             f"{num_requests} requests x {block_size}")
+        self._update_means(c)
+        block = self._mean_block(num_requests, block_size).copy()  # [num_requests, block_size]
+        block[:sampled, :n] = c
+        for stale in [s for s in self._capacity_for_step if s <= step_index]:
+            del self._capacity_for_step[stale]
+        self._capacity_for_step[step_index + self.lag] = best_capacity(
+            sorted_candidates(survival_probs(block)), self.cost_table, self.objective)
+        self.capacity_used = 0
+        self.used_prior = False
+
     def planned_capacity(self, step_index: int) -> int | None:
         """K already decided for step ``step_index`` (None: no history, the prior will decide)."""
         return self._capacity_for_step.get(step_index)
@@ -487,6 +511,15 @@ class Admitter:
         ``num_requests`` running requests with blocks of ``block_size``, if given)."""
         assert self.capacity_known_zero(), "skip() is only for steps whose K is known to be 0"
         self._async.skip(self._step, num_requests, block_size)
+        self._step += 1
+
+    def probe(self, c_sample: Any, num_requests: int, block_size: int) -> None:
+        """Record a step whose K is known to be 0 (:meth:`capacity_known_zero`) and for which the
+        drafter drafted only a sample of the ``num_requests`` running requests, chosen without
+        looking at their drafts: confidences ``c_sample [S, n]`` (see AsyncTopKAdmission.probe).
+        It verifies no drafts."""
+        assert self.capacity_known_zero(), "probe() is only for steps whose K is known to be 0"
+        self._async.probe(c_sample, self._step, num_requests, block_size)
         self._step += 1
 
     def admit(self, c: Any, step_index: int | None = None, max_lengths: Any = None,

@@ -447,6 +447,28 @@ def test_async_skip_hands_on_the_capacity_of_the_running_means(steep):
     assert admitter.planned_capacity(4) == 0
 
 
+def test_async_probe_of_a_sample_fills_in_the_other_requests_with_the_running_means():
+    """A probe drafts a sample of the batch (its K is 0: it verifies nothing). The K it hands on
+    is the best over a block whose sampled rows are fresh and whose other rows are the running
+    means (after the sample's own update), checked against every length vector."""
+    table = CostTable.from_step_seconds({b: 0.01 + 0.004 * b for b in range(1, 41)})
+    admitter = AsyncTopKAdmission(table, lag=2, prior_confidence=0.0, mean_decay=0.5)
+    admitter.admit(np.full((3, 3), 0.2), 0)
+    sample = np.array([[0.95]])  # one request, one position drafted
+    admitter.probe(sample, 1, num_requests=3, block_size=3)
+    # position 1's mean: 0.5 * 0.2 + 0.5 * 0.95; positions 2-3 keep their ratio to it (1)
+    np.testing.assert_allclose(admitter.mean_confidence, [0.575, 0.575, 0.575])
+    block = np.full((3, 3), 0.575)
+    block[0, 0] = 0.95
+    a = reference_survival(block)
+    best = max(itertools.product(range(4), repeat=3),
+               key=lambda lengths: (reference_theta(a, lengths, table), -sum(lengths)))
+    assert admitter.planned_capacity(3) == sum(best) and 0 < sum(best) < 9
+    assert admitter.capacity_used == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        admitter.probe(np.full((4, 1), 0.5), 2, num_requests=3, block_size=3)
+
+
 def test_admitter_async_default_step_numbering_and_gap():
     table = sawtooth_table()
     admitter = Admitter(AdmissionConfig(policy="async_topk", prior_confidence=0.0), table)

@@ -2,8 +2,11 @@
 `dspark.v1.Drafter` bidirectional stream, with exact fallback when the drafter is away.
 
 Per round the engine calls `append_context` for each request's newly committed tokens, then
-`draft`. Context is buffered and shipped with the next DraftRound (one message per round), and
-the blocks come back on the stream, matched by round id and request id.
+`draft`. Context is buffered here and shipped with the first DraftRound that drafts its request
+(one message per round; all of a request's unsent pieces in one ContextUpdate), and the blocks
+come back on the stream, matched by round id and request id. A request that is not drafted (a
+round that skips drafting, or a probe that drafts a sample of the batch) sends nothing: under a
+load where no draft pays, most requests' features never cross the wire to the drafter.
 
 Faults. If the stream breaks, or a round's blocks are not all back within `draft_timeout`, the
 drafter is marked down and that round (and every round until it is back) gets *fallback blocks*:
@@ -49,6 +52,16 @@ class _RequestContext:
     """How many of the last pieces the current stream has not received yet."""
     reset: bool = False
     """The next update must first drop what the drafter holds (resync)."""
+
+
+def _joined(pieces: list[_ContextPiece]) -> _ContextPiece:
+    """Consecutive context pieces of one request as one (token ids only if every piece has them)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    tokens = [p.token_ids for p in pieces]
+    return _ContextPiece(torch.cat([p.features for p in pieces]),  # [sum n, d]
+                         torch.cat([p.positions for p in pieces]),  # [sum n]
+                         None if any(t is None for t in tokens) else torch.cat(tokens))
 
 
 # How long one reconnection attempt may hold up a round while the drafter is down.
@@ -137,7 +150,8 @@ class RemoteDrafter:
             return self._fallback(requests, n)
         round_id = self._next_round()
         msg = pb.drafter.DraftRound(round_id=round_id, sparse_top_k=sparse_top_k or 0,
-                                    context=self._pending_updates(),
+                                    context=self._pending_updates(str(r.request_id)
+                                                                  for r in requests),
                                     requests=[self._item(r) for r in requests],
                                     num_positions=0 if n == self.gamma else n)
         msg.trace_context.update(dict(outgoing_metadata()))
@@ -158,16 +172,18 @@ class RemoteDrafter:
                                     anchor_position=int(r.anchor_position),
                                     sampling=messages.sampling_to_pb(r.sampling))
 
-    def _pending_updates(self) -> list:
+    def _pending_updates(self, request_ids) -> list:
+        """One ContextUpdate per named request with unsent context: its unsent pieces joined."""
         updates = []
-        for rid, ctx in self._contexts.items():
-            if not ctx.unsent:
+        for rid in dict.fromkeys(request_ids):
+            ctx = self._contexts.get(rid)
+            if ctx is None or not ctx.unsent:
                 continue
-            for i, piece in enumerate(ctx.pieces[len(ctx.pieces) - ctx.unsent:]):
-                updates.append(pb.drafter.ContextUpdate(
-                    request_id=rid, features=tensor_codec.encode(piece.features),
-                    positions=tensor_codec.encode(piece.positions),
-                    token_ids=tensor_codec.encode(piece.token_ids), reset=ctx.reset and i == 0))
+            piece = _joined(ctx.pieces[len(ctx.pieces) - ctx.unsent:])
+            updates.append(pb.drafter.ContextUpdate(
+                request_id=rid, features=tensor_codec.encode(piece.features),
+                positions=tensor_codec.encode(piece.positions),
+                token_ids=tensor_codec.encode(piece.token_ids), reset=ctx.reset))
             ctx.unsent, ctx.reset = 0, False
         return updates
 

@@ -52,6 +52,40 @@ def test_first_positions_match_the_in_process_drafter(drafter_service, tiny_mode
         remote.close()
 
 
+def test_context_travels_with_the_first_draft_of_its_request(drafter_service, tiny_models):
+    """Context appended in pieces is sent only when its request is drafted, all pieces joined:
+    a request that is not drafted sends nothing, and the blocks still equal the in-process
+    drafter's with the same context."""
+    runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=1024)
+    local = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
+    remote = RemoteDrafter(drafter_service)
+    try:
+        g = torch.Generator().manual_seed(1)
+        width = local.fc.in_features
+        pieces = {"a": [(0, 6), (6, 8)], "b": [(0, 5), (5, 7)]}
+        for rid, spans in pieces.items():
+            for first, end in spans:
+                n = end - first
+                features = torch.randn(n, width, generator=g)
+                tokens = torch.randint(4, 60, (n,), generator=g)
+                for d in (local, remote):
+                    d.append_context(rid, features, torch.arange(first, end), tokens)
+        greedy = SamplingParams(temperature=0)
+        only_a = [DraftRequest("a", 11, 8, greedy)]
+        assert torch.equal(remote.draft(only_a)[0].tokens, local.draft(only_a)[0].tokens)
+        assert remote._contexts["a"].unsent == 0 and remote._contexts["b"].unsent == 2
+        features, tokens = torch.randn(1, width, generator=g), torch.tensor([11])
+        for d in (local, remote):
+            d.append_context("a", features, torch.tensor([8]), tokens)
+        both = [DraftRequest("a", 12, 9, greedy), DraftRequest("b", 13, 7, greedy)]
+        for got, want in zip(remote.draft(both), local.draft(both)):
+            assert torch.equal(got.tokens, want.tokens)
+            assert torch.allclose(got.confidences, want.confidences, atol=1e-5)
+        assert remote._contexts["b"].unsent == 0
+    finally:
+        remote.close()
+
+
 def test_bad_position_count_is_invalid_argument(drafter_service):
     item = pb.drafter.DraftItem(request_id="x", anchor_token=5, anchor_position=0,
                                 sampling=pb.common.SamplingParams(temperature=0.0, top_p=1.0))

@@ -28,7 +28,8 @@ wave, so a load change on the shared machine hits every row alike, and every rat
 target-only row of the same (temperature, concurrency) run (DESIGN.md 9: compare as ratios).
 
 Time breakdown of the engine rows (sums over the timed waves):
-- prefill: target forward over the prompts and the first token (`EngineStats.prefill_seconds`);
+- prefill: target forward over the prompts and the first token (`EngineStats.prefill_seconds`;
+  a prompt chunk that rides in a verification forward counts its tokens' share of it);
 - drafter context: the drafter absorbing committed tokens' target features (`append_context`);
 - draft: drafting the blocks; admission: the policy's decision;
 - target forward: the flattened verification forward (`EngineStats.verify_seconds`);
@@ -204,10 +205,13 @@ class TimedVerifier:
     def prefill(self, *args, **kwargs):
         return self.inner.prefill(*args, **kwargs)
 
-    def verify(self, requests):
+    def verify(self, requests, prefill=()):
         start = time.perf_counter()
-        out = self.inner.verify(requests)
-        self.verify_call_seconds += time.perf_counter() - start
+        out = self.inner.verify(requests, prefill)
+        if requests:  # (a call with prompt chunks only is all prefill, timed by the engine)
+            # the prompt tokens' share of the forward is prefill (EngineStats.prefill_seconds)
+            share = out.prefill_tokens / (out.prefill_tokens + out.batch_tokens)
+            self.verify_call_seconds += time.perf_counter() - start - out.step_seconds * share
         return out
 
     def release(self, request_id: Hashable) -> None:

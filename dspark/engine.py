@@ -1,8 +1,10 @@
 """The round loop: continuous batching with confidence-scheduled verification (DESIGN.md 5-7).
 
 One `step()` is one round for every running request:
-1. waiting requests join (up to `max_running`): the verifier prefills their prompts, samples
-   each one's first token, and the drafter receives the prompt's target features;
+1. waiting requests join (up to `max_running`): the target reads their prompts, in chunks of at
+   most `prefill_chunk_tokens` per round that ride in the round's verification forward (chunked
+   prefill); a prompt's last chunk samples the request's first token, and the drafter receives
+   each chunk's target features;
 2. the drafter drafts a block of gamma tokens for every running request (anchor = last token);
 3. the admission policy decides from the blocks' confidences how many drafts of each request
    the target verifies (l_r; capped so no request overshoots its max_tokens);
@@ -29,7 +31,7 @@ from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyK
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.models.drafter import DraftRequest, Drafter
 from dspark.sampling import SamplingParams
-from dspark.verifier import TargetVerifier, VerifyRequest
+from dspark.verifier import PrefillChunk, TargetVerifier, VerifyRequest
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,21 @@ class EngineConfig:
     Under load that no draft can pay for, probes then cost a few tenths of a percent instead
     of a few percent (a probe drafts for every running request). = probe_interval: no backoff."""
 
+    prefill_chunk_tokens: int = 256
+    """Chunked prefill: joining requests' prompts are read in the same target forward as the
+    running requests' verification, at most this many prompt tokens a round, oldest joiner
+    first (a long prompt takes several rounds). A prompt's last chunk samples the request's
+    first token; it is drafted and verified from the next round on. Running requests then never
+    stop for a prefill forward of its own, nor wait longer than one chunk. 0 = whole prompts,
+    in a forward of their own before the round (and the joiners decode in that same step)."""
+    probe_requests: int = 4
+    """A probe (a drafting round whose K is known to be 0, so it verifies nothing) drafts at most
+    this many of the running requests, taken in turn (round-robin over the batch, never chosen by
+    their tokens); the admission fills in the others with its running means. Under a load where
+    no draft pays, a probe then costs the drafting of a few requests, not of the whole batch,
+    and the context of requests that are never drafted is never projected (or, with a remote
+    drafter, never sent). 0 = every probe drafts every request."""
+
     objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
     """What admission maximises. SHARED_DEVICE (default): drafting and verification take turns
     on the same device, and a round whose K is 0 skips drafting, so a draft is verified only
@@ -72,6 +89,10 @@ class EngineConfig:
             raise ValueError("max_running must be >= 1")
         if self.probe_interval < 0:
             raise ValueError("probe_interval must be >= 0")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
+        if self.probe_requests < 0:
+            raise ValueError(f"probe_requests must be >= 0, got {self.probe_requests}")
         if self.max_probe_interval < self.probe_interval:
             raise ValueError(f"max_probe_interval ({self.max_probe_interval}) must be >= "
                              f"probe_interval ({self.probe_interval})")
@@ -104,6 +125,8 @@ class Request:
     stop_token_ids: frozenset[int]
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    """Prompt tokens the target has read so far (chunked prefill)."""
     finished: bool = False
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -135,12 +158,15 @@ class EngineStats:
     capacity: list[int] = field(default_factory=list)
     skipped_draft_rounds: int = 0
     """async_topk rounds that did not draft because their K was known to be 0."""
+    sampled_probe_rounds: int = 0
+    """async_topk probes that drafted only a sample of the running requests (probe_requests)."""
 
 
 @dataclass
 class RoundRecord:
     """What one speculative round did, for an observer (`Engine.round_observer`): evaluation and
-    calibration read acceptance and confidences from it. One entry per running request."""
+    calibration read acceptance and confidences from it. One entry per drafted request: every
+    running request, or a sampled probe's few (EngineConfig.probe_requests), which verify nothing."""
 
     request_ids: list[Hashable]
     confidences: torch.Tensor
@@ -165,12 +191,16 @@ class Engine:
         self.speculative = policy.kind is not PolicyKind.NONE
         self.admitter = Admitter(AdmissionConfig(policy=policy, objective=config.objective), cost_table)
         self.waiting: list[Request] = []
+        self.prefilling: list[Request] = []
+        """Joined (they hold a slot) but their prompts are not all read yet (chunked prefill)."""
         self.running: list[Request] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._rounds_without_draft = 0
         self._probe_interval = config.probe_interval
         """Rounds between probes now: probe_interval, doubled after each fruitless probe."""
+        self._probe_cursor = 0
+        """Where in the running batch the next sampled probe starts (round-robin)."""
         self.round_observer: Callable[[RoundRecord], None] | None = None
         """Called once per speculative round (after verification) with its RoundRecord."""
 
@@ -189,19 +219,73 @@ class Engine:
 
     def abort(self, request_id: Hashable) -> None:
         self.waiting = [r for r in self.waiting if r.request_id != request_id]
-        for r in [r for r in self.running if r.request_id == request_id]:
-            self._release(r)
-            self.running.remove(r)
+        for held in (self.prefilling, self.running):
+            for r in [r for r in held if r.request_id == request_id]:
+                self._release(r)
+                held.remove(r)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     # -- the round ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        outputs += self._admit_waiting()
+        if self.config.prefill_chunk_tokens == 0:
+            outputs = self._admit_waiting()
+            if self.running:
+                outputs += self._round([])
+            return outputs
+        self._join_waiting()
+        chunks = self._plan_chunks()
         if self.running:
-            outputs += self._round()
+            return self._round(chunks)
+        return self._prefill_only(chunks) if chunks else []
+
+    def _join_waiting(self) -> None:
+        """Waiting requests take the free slots (chunked prefill: their prompts come later)."""
+        free = self.config.max_running - len(self.running) - len(self.prefilling)
+        joining = self.waiting[:max(0, free)]
+        if joining:
+            self.waiting = self.waiting[len(joining):]
+            self.prefilling += joining
+            self._probe_interval = self.config.probe_interval  # new requests: new evidence soon
+
+    def _plan_chunks(self) -> list[tuple[Request, PrefillChunk]]:
+        """This round's prompt pieces: up to prefill_chunk_tokens, the oldest joiners first."""
+        budget = self.config.prefill_chunk_tokens
+        planned = []
+        for r in self.prefilling:
+            if budget == 0:
+                break
+            end = min(len(r.prompt_ids), r.prefilled + budget)
+            planned.append((r, PrefillChunk(r.request_id, r.prompt_ids[r.prefilled:end],
+                                            end == len(r.prompt_ids), r.sampling, r.generator,
+                                            continued=r.prefilled > 0)))
+            budget -= end - r.prefilled
+        return planned
+
+    def _prefill_only(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
+        """A step with nothing to decode: the forward reads prompt chunks only."""
+        start = time.perf_counter()
+        out = self.verifier.verify([], [c for _, c in planned])
+        self.stats.prefill_seconds += time.perf_counter() - start
+        outputs = self._take_chunks(planned, out.prefill)
+        self._retire_finished()
+        return outputs
+
+    def _take_chunks(self, planned: list[tuple[Request, PrefillChunk]], result) -> list[StepOutput]:
+        """Record what the target read; a finished prompt's request starts running with its
+        first token. The drafter gets each chunk's features."""
+        outputs = []
+        for (r, chunk), token, features in zip(planned, result.first_tokens, result.features):
+            start, end = r.prefilled, r.prefilled + len(chunk.token_ids)
+            if self.speculative:
+                self.drafter.append_context(r.request_id, features, torch.arange(start, end),
+                                            torch.tensor(list(chunk.token_ids)))
+            r.prefilled = end
+            if chunk.final:
+                self.prefilling.remove(r)
+                self.running.append(r)
+                outputs.append(self._emit(r, [token]))
         return outputs
 
     def _admit_waiting(self) -> list[StepOutput]:
@@ -216,6 +300,7 @@ class Engine:
         self.stats.prefill_seconds += time.perf_counter() - start
         outputs = []
         for r, token, features in zip(joining, out.first_tokens, out.features):
+            r.prefilled = len(r.prompt_ids)
             if self.speculative:
                 self.drafter.append_context(r.request_id, features,
                                             torch.arange(len(r.prompt_ids)),
@@ -225,8 +310,8 @@ class Engine:
         self._retire_finished()
         return outputs
 
-    def _round(self) -> list[StepOutput]:
-        running = self.running
+    def _round(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
+        running = list(self.running)
         gamma = self.drafter.gamma if self.speculative else 0
         blocks = [None] * len(running)
         lengths = np.zeros(len(running), dtype=np.int64)
@@ -236,40 +321,63 @@ class Engine:
             self._rounds_without_draft += 1
             self.stats.skipped_draft_rounds += 1
             self.stats.capacity.append(0)
+        drafted = running
         if drafting:
             self._rounds_without_draft = 0
+            sample = self._probe_sample(len(running))
+            if sample is not None:
+                drafted = [running[i] for i in sample]
             start = time.perf_counter()
             num_positions = self._positions_to_draft(gamma)
-            blocks = self.drafter.draft(
+            drafted_blocks = self.drafter.draft(
                 [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
-                              r.generator) for r in running],
+                              r.generator) for r in drafted],
                 sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
             mid = time.perf_counter()
-            confidences = torch.stack([b.confidences for b in blocks]).float()  # [R, num_positions]
-            # No request verifies more drafts than it may still emit (the bonus is the +1).
-            caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
-                             for r in running])
-            lengths = self.admitter.admit(confidences, max_lengths=caps, block_size=gamma)
+            confidences = torch.stack([b.confidences for b in drafted_blocks]).float()  # [S, num_positions]
+            if sample is None:
+                blocks = drafted_blocks
+                # No request verifies more drafts than it may still emit (the bonus is the +1).
+                caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
+                                 for r in running])
+                lengths = self.admitter.admit(confidences, max_lengths=caps, block_size=gamma)
+            else:  # a sampled probe: K is 0, nothing is verified, the blocks only inform K
+                self.admitter.probe(confidences, len(running), gamma)
+                self.stats.sampled_probe_rounds += 1
             end = time.perf_counter()
             self.stats.draft_seconds += mid - start
             self.stats.admission_seconds += end - mid
-            if self.config.update_cost_table:
+            if self.config.update_cost_table and sample is None:
+                # (a sample's drafting would understate what drafting the whole batch costs)
                 self.cost_table.observe_draft(mid - start)
             if self.admitter.capacity_used is not None:
                 self.stats.capacity.append(self.admitter.capacity_used)
                 self._back_off_probes(self.admitter.capacity_used)
 
-        result = self.verifier.verify([
+        verify_requests = [
             VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator)
-            for r, block, n in zip(running, blocks, lengths)])
+            for r, block, n in zip(running, blocks, lengths)]
+        if planned:
+            result = self.verifier.verify(verify_requests, [c for _, c in planned])
+        else:
+            result = self.verifier.verify(verify_requests)
         self.stats.rounds += 1
-        self.stats.verify_seconds += result.step_seconds
+        # A forward that also read prompt chunks: its time is split by tokens between the
+        # stages, and it is no sample of SPS(B) for the cost table.
+        prompt_share = result.prefill_tokens / (result.prefill_tokens + result.batch_tokens)
+        self.stats.prefill_seconds += result.step_seconds * prompt_share
+        self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
         self.stats.batch_tokens.append(result.batch_tokens)
-        if self.config.update_cost_table:
+        if self.config.update_cost_table and not result.prefill_tokens:
             self.cost_table.observe(result.batch_tokens, result.step_seconds)
         if self.round_observer is not None and drafting:
-            self.round_observer(RoundRecord([r.request_id for r in running], confidences,
-                                            [int(n) for n in lengths], list(result.num_accepted)))
+            if drafted is running:
+                self.round_observer(RoundRecord([r.request_id for r in running], confidences,
+                                                [int(n) for n in lengths],
+                                                list(result.num_accepted)))
+            else:
+                self.round_observer(RoundRecord([r.request_id for r in drafted], confidences,
+                                                [0] * len(drafted), [0] * len(drafted)))
 
         outputs = []
         for r, n, accepted, tokens, features in zip(running, lengths, result.num_accepted,
@@ -281,6 +389,8 @@ class Engine:
                                             torch.arange(first, first + 1 + accepted),
                                             torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
             outputs.append(self._emit(r, tokens))
+        if planned:
+            outputs += self._take_chunks(planned, result.prefill)
         self._retire_finished()
         return outputs
 
@@ -292,6 +402,17 @@ class Engine:
         round's tokens."""
         planned = self.admitter.planned_capacity()
         return gamma if planned is None else min(gamma, planned + 1)
+
+    def _probe_sample(self, num_running: int) -> list[int] | None:
+        """Indices into the running batch for a probe that drafts only some of it: the next
+        `probe_requests` in turn. None when this round is not a probe (K not known to be 0) or
+        the whole batch fits the sample. Depends on the batch's size and the round count only."""
+        limit = self.config.probe_requests
+        if limit == 0 or num_running <= limit or not self.admitter.capacity_known_zero():
+            return None
+        start = self._probe_cursor % num_running
+        self._probe_cursor = start + limit
+        return [(start + i) % num_running for i in range(limit)]
 
     def _skip_drafting(self) -> bool:
         """Whether this round's K is known to be 0 (async_topk) and no probe is due."""

@@ -5,7 +5,10 @@ It owns the target runner (and so every request's KV cache) and offers the engin
   prompt tokens' hidden features (the drafter's first context);
 - `verify`: one flattened target forward over every request's [anchor, admitted drafts],
   rejection sampling (dspark.rejection), KV cache truncated to the committed tokens, and the
-  committed tokens' features for the drafter, with the step's statistics;
+  committed tokens' features for the drafter, with the step's statistics. It may also carry
+  *prefill chunks* (`PrefillChunk`): pieces of joining requests' prompts read in the same
+  forward (chunked prefill), the last piece of a prompt sampling its first token as `prefill`
+  does;
 - `release`.
 The engine calls these as plain methods; the services issue puts the same object behind gRPC.
 
@@ -48,6 +51,31 @@ class VerifyRequest:
 
 
 @dataclass
+class PrefillChunk:
+    """Prompt tokens of one request for the target to read (chunked prefill)."""
+
+    request_id: Hashable
+    token_ids: Sequence[int]
+    """The next piece of the prompt (positions follow what the cache holds)."""
+    final: bool
+    """The prompt's last piece: the request's first token is sampled from its last logits."""
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+    continued: bool = False
+    """The request's earlier pieces are already in the KV cache (else it is new here)."""
+
+
+@dataclass
+class ChunkOutput:
+    """What the target made of the prefill chunks of one call, in their order."""
+
+    first_tokens: list[int | None]
+    """[num_chunks] the request's first token for a final chunk, None for the others."""
+    features: list[torch.Tensor | None]
+    """[num_chunks] features [len(token_ids), num_layers * hidden_size], or None without layers."""
+
+
+@dataclass
 class VerifyOutput:
     num_accepted: list[int]
     """[num_requests] accepted drafts."""
@@ -59,7 +87,11 @@ class VerifyOutput:
     batch_tokens: int
     """B = sum_r (1 + l_r): tokens the target processed."""
     step_seconds: float
-    """Wall time of the target forward (what SPS(B) measures)."""
+    """Wall time of the target forward (what SPS(B) measures when no prefill rode along)."""
+    prefill: ChunkOutput | None = None
+    """The prefill chunks' results (None when the call had none)."""
+    prefill_tokens: int = 0
+    """Prompt tokens the same forward read for the prefill chunks."""
 
 
 class TargetVerifier:
@@ -79,22 +111,30 @@ class TargetVerifier:
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> PrefillOutput:
-        for rid in request_ids:
+        chunks = [PrefillChunk(rid, list(p), True, s, g)
+                  for rid, p, s, g in zip(request_ids, prompts, sampling, generators)]
+        out = self.verify([], chunks).prefill
+        return PrefillOutput([int(t) for t in out.first_tokens], out.features)
+
+    def verify(self, requests: Sequence[VerifyRequest],
+               prefill: Sequence[PrefillChunk] = ()) -> VerifyOutput:
+        """Verify `requests` and read the `prefill` chunks, all in one target forward."""
+        for chunk in prefill:
+            if chunk.continued != self.runner.has_request(chunk.request_id):
+                state = "unknown" if chunk.continued else "already held"
+                raise ValueError(f"prefill chunk of {chunk.request_id!r}: request {state}")
+        new = [c.request_id for c in prefill if not c.continued]
+        for rid in new:
             self.runner.add_request(rid)
         try:
-            out = self.runner.forward([ForwardItem(rid, list(p)) for rid, p in zip(request_ids, prompts)])
+            return self._verify(requests, prefill)
         except BaseException:
-            for rid in request_ids:
+            for rid in new:
                 self.runner.free(rid)
             raise
-        probs = probs_from_logits(out.logits, SamplingTensors.from_params(sampling))  # [R, V]
-        uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])  # [R]
-        first = sample_from_probs(probs, uniforms).tolist()
-        features = [self._flat_features(out.hidden_of(i)) if out.hidden is not None else None
-                    for i in range(len(request_ids))]
-        return PrefillOutput(first, features)
 
-    def verify(self, requests: Sequence[VerifyRequest]) -> VerifyOutput:
+    def _verify(self, requests: Sequence[VerifyRequest],
+                prefill: Sequence[PrefillChunk]) -> VerifyOutput:
         items, tokens, probs, indices = [], [], [], []
         lens = []
         # The drafter may return some blocks sparse (greedy: k = 1) and others dense (plain
@@ -114,33 +154,57 @@ class TargetVerifier:
                         indices.append(req.block.indices[:n])
             lens.append(n)
             items.append(ForwardItem(req.request_id, [req.anchor_token] + drafts, logits_from=0))
+        # A chunk needs logits only for its last token, and only if the prompt ends there.
+        items += [ForwardItem(c.request_id, list(c.token_ids),
+                              logits_from=None if c.final else len(c.token_ids)) for c in prefill]
         old_lengths = [self.runner.length(r.request_id) for r in requests]
         start = time.perf_counter()
-        out = self.runner.forward(items)  # logits: l_r + 1 rows per request
+        out = self.runner.forward(items)  # logits: l_r + 1 rows per request, then 1 per final chunk
         step_seconds = time.perf_counter() - start
+        verify_rows = sum(lens) + len(requests)
 
-        draft_lens = torch.tensor(lens, dtype=torch.int64)
-        vocab = self.vocab_size
-        if indices and len(indices) != len(tokens):
-            raise ValueError("a batch mixes sparse and dense draft distributions")
-        if indices:
-            draft_probs = SparseDraftProbs(torch.cat(indices), torch.cat(probs))
-        else:
-            draft_probs = torch.cat(probs) if probs else torch.zeros(0, vocab)
-        batch = VerifyBatch(
-            draft_tokens=torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
-            draft_lens=draft_lens, draft_probs=draft_probs, target_logits=out.logits,
-            sampling=[r.sampling for r in requests])
-        result = verify(batch, draw_uniforms(draft_lens, [r.generator for r in requests]))
+        num_accepted, output_tokens, features = [], [], []
+        if requests:
+            draft_lens = torch.tensor(lens, dtype=torch.int64)
+            if indices and len(indices) != len(tokens):
+                raise ValueError("a batch mixes sparse and dense draft distributions")
+            if indices:
+                draft_probs = SparseDraftProbs(torch.cat(indices), torch.cat(probs))
+            else:
+                draft_probs = torch.cat(probs) if probs else torch.zeros(0, self.vocab_size)
+            batch = VerifyBatch(
+                draft_tokens=torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
+                draft_lens=draft_lens, draft_probs=draft_probs,
+                target_logits=out.logits[:verify_rows], sampling=[r.sampling for r in requests])
+            result = verify(batch, draw_uniforms(draft_lens, [r.generator for r in requests]))
+            num_accepted = result.num_accepted.tolist()
+            output_tokens = result.output_tokens(batch)
+            for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
+                self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
+                hidden = out.hidden_of(i)[:1 + accepted] if out.hidden is not None else None
+                features.append(self._flat_features(hidden))
+        chunks = self._chunk_outputs(prefill, out, len(requests), out.logits[verify_rows:])
+        return VerifyOutput(num_accepted, output_tokens, features,
+                            batch_tokens=len(requests) + sum(lens), step_seconds=step_seconds,
+                            prefill=chunks,
+                            prefill_tokens=sum(len(c.token_ids) for c in prefill))
 
-        num_accepted = result.num_accepted.tolist()
-        features = []
-        for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
-            self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
-            hidden = out.hidden_of(i)[:1 + accepted] if out.hidden is not None else None
-            features.append(self._flat_features(hidden))
-        return VerifyOutput(num_accepted, result.output_tokens(batch), features,
-                            batch_tokens=len(requests) + sum(lens), step_seconds=step_seconds)
+    def _chunk_outputs(self, prefill: Sequence[PrefillChunk], out, first_item: int,
+                       logits: torch.Tensor) -> ChunkOutput | None:
+        """First tokens of the final chunks (from `logits` [num_final, V], in order) and every
+        chunk's features."""
+        if not prefill:
+            return None
+        final = [c for c in prefill if c.final]
+        first: list[int | None] = [None] * len(prefill)
+        if final:
+            probs = probs_from_logits(logits, SamplingTensors.from_params([c.sampling for c in final]))
+            uniforms = torch.cat([torch.rand(1, generator=c.generator) for c in final])  # [F]
+            sampled = iter(sample_from_probs(probs, uniforms).tolist())
+            first = [next(sampled) if c.final else None for c in prefill]
+        features = [self._flat_features(out.hidden_of(first_item + i)) if out.hidden is not None
+                    else None for i in range(len(prefill))]
+        return ChunkOutput(first, features)
 
     def release(self, request_id: Hashable) -> None:
         if self.runner.has_request(request_id):

@@ -17,7 +17,7 @@ from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.sampling import SamplingParams
-from dspark.verifier import TargetVerifier
+from dspark.verifier import PrefillChunk, TargetVerifier
 
 VOCAB = 64
 LAYER_IDS = (0, 2, 3)
@@ -83,15 +83,16 @@ def reference_greedy(tiny_target):
 @pytest.mark.parametrize("policy", ["none", "fixed:1", f"fixed:{GAMMA}", "threshold:0.3",
                                     "sync_greedy", "async_topk"])
 @pytest.mark.parametrize("max_running", [1, 8])
+@pytest.mark.parametrize("chunk", [256, 3, 0])  # prefill_chunk_tokens: fused, chunked, separate
 def test_greedy_is_token_identical_to_transformers(tiny_target, reference_greedy, policy,
-                                                   max_running):
-    engine = make_engine(tiny_target[0], policy, max_running=max_running)
+                                                   max_running, chunk):
+    engine = make_engine(tiny_target[0], policy, max_running=max_running, prefill_chunk_tokens=chunk)
     done = engine.generate(PROMPTS, SamplingParams(temperature=0), max_tokens=24)
     assert [r.output_ids for r in done] == reference_greedy
     if policy != "none":
         verified = sum(r.metrics.drafts_verified for r in done)
         assert verified > 0 or policy in ("sync_greedy",)  # sync_greedy may verify nothing
-    assert not engine.running and not engine.waiting
+    assert not engine.running and not engine.waiting and not engine.prefilling
     assert engine.verifier.runner.cache.manager.num_free_blocks == \
         engine.verifier.runner.cache.manager.num_blocks  # everything released
 
@@ -135,8 +136,9 @@ def test_async_topk_probes_back_off_and_a_join_resets_them(tiny_target, referenc
     prior, 0 here) are such rounds, so the probes come every 8 rounds after them; a request
     joining brings the gap back to 2, and it doubles again from there. Output stays exact."""
     steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    # (prompts read in a forward of their own: a prompt chunk in a round would make drafts pay)
     engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=2,
-                         max_probe_interval=8)
+                         max_probe_interval=8, prefill_chunk_tokens=0)
     drafted_at = []  # the rounds (1-based) that drafted
     engine.round_observer = lambda record: drafted_at.append(engine.stats.rounds)
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=25, request_id="a")
@@ -152,6 +154,40 @@ def test_async_topk_probes_back_off_and_a_join_resets_them(tiny_target, referenc
     assert max(engine.stats.capacity) == 0  # no round could verify a draft
     assert requests["a"].output_ids == reference_greedy[0] + requests["a"].output_ids[24:]
     assert requests["b"].output_ids == reference_greedy[1][:20]
+
+
+def test_async_topk_probes_draft_a_sample_of_the_batch_in_turn(tiny_target, reference_greedy):
+    """With K known to be 0, a probe drafts only `probe_requests` of the running requests, the
+    next ones in turn; the two warm-up rounds (K unknown) draft the whole batch. The admission
+    hands on K from the sample, nothing is verified, and the output stays the target's."""
+    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    engine = make_engine(tiny_target[0], "async_topk", max_running=5, table=steep, probe_interval=2,
+                         max_probe_interval=2, probe_requests=2)
+    drafted = []  # request ids of each drafting call
+    inner = engine.drafter
+
+    class Recording:
+        gamma = inner.gamma
+        append_context = inner.append_context
+        release = inner.release
+
+        def draft(self, requests, sparse_top_k=None, num_positions=None):
+            drafted.append([r.request_id for r in requests])
+            return inner.draft(requests, sparse_top_k=sparse_top_k, num_positions=num_positions)
+
+    engine.drafter = Recording()
+    ids = [engine.add_request(p, SamplingParams(temperature=0), max_tokens=24) for p in PROMPTS[:5]]
+    requests = {r.request_id: r for r in engine.waiting}
+    while engine.has_unfinished():
+        engine.step()
+    assert drafted[:2] == [ids, ids]  # warm-up: K unknown, the whole batch
+    probes = drafted[2:]
+    assert probes and all(len(p) == 2 for p in probes)
+    turn = [i for p in probes for i in p]
+    assert turn[:10] == ids + ids  # every request in turn, round-robin
+    assert engine.stats.sampled_probe_rounds == len(probes)
+    assert max(engine.stats.capacity) == 0
+    assert [requests[i].output_ids for i in ids] == reference_greedy[:5]
 
 
 def test_async_topk_drafts_only_the_positions_it_can_verify(tiny_target, reference_greedy):
@@ -212,6 +248,65 @@ def test_greedy_and_sampled_requests_share_rounds(tiny_target, reference_greedy)
         engine.step()
     assert by_id[greedy].output_ids == reference_greedy[0]
     assert all(r.metrics.drafts_verified > 0 for r in by_id.values())
+
+
+def test_chunked_prefill_reads_a_long_prompt_while_others_decode(tiny_target, reference_greedy):
+    """With 3 prompt tokens a round, a 7-token prompt joining a running request is read over
+    three rounds, each riding in the running request's verification forward; the running
+    request gets its tokens every round meanwhile, and both outputs are the target's."""
+    engine = make_engine(tiny_target[0], "fixed:2", max_running=2, prefill_chunk_tokens=3)
+    first = engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=24)
+    requests = {first: engine.waiting[-1]}
+    engine.step()  # a 4-token prompt, nothing running: read in two steps, no round
+    assert engine.stats.rounds == 0 and engine.prefilling
+    engine.step()
+    assert requests[first].output_ids == reference_greedy[0][:1] and not engine.prefilling
+    second = engine.add_request(PROMPTS[2], SamplingParams(temperature=0), max_tokens=24)
+    requests[second] = engine.waiting[-1]
+    for expected_read in (3, 6, 7):
+        produced = len(requests[first].output_ids)
+        outputs = engine.step()
+        assert requests[second].prefilled == expected_read
+        assert len(requests[first].output_ids) > produced  # it kept decoding
+        assert [o.request_id for o in outputs if o.request_id == second] == (
+            [second] if expected_read == 7 else [])
+    assert engine.stats.rounds == 3  # one verification forward per step, none for prompts alone
+    while engine.has_unfinished():
+        engine.step()
+    assert [requests[i].output_ids for i in (first, second)] == [reference_greedy[0],
+                                                                 reference_greedy[2]]
+
+
+def test_chunked_prefill_keeps_seeded_outputs(tiny_target):
+    """The first token's random draw comes with the prompt's last chunk, so a seeded request
+    samples the same tokens whatever the chunk size (under a policy whose admissions do not
+    depend on the prompt tokens in the round, unlike async_topk's)."""
+    params = SamplingParams(temperature=1.0, seed=99)
+    outs = [make_engine(tiny_target[0], "fixed:3", prefill_chunk_tokens=chunk).generate(
+        PROMPTS[:3], params, max_tokens=20) for chunk in (0, 2, 256)]
+    assert [r.output_ids for r in outs[0]] == [r.output_ids for r in outs[1]] == \
+        [r.output_ids for r in outs[2]]
+
+
+def test_prefill_chunks_need_the_right_request_state(tiny_target):
+    """A first chunk must name a new request, a continued one a request the cache holds; a
+    refused call leaves no request behind."""
+    engine = make_engine(tiny_target[0], "none")
+    verifier = engine.verifier
+    greedy = SamplingParams(temperature=0)
+    with pytest.raises(ValueError, match="unknown"):
+        verifier.verify([], [PrefillChunk("x", [3, 4], True, greedy, continued=True)])
+    out = verifier.verify([], [PrefillChunk("x", [3, 9], False, greedy)])
+    assert out.prefill.first_tokens == [None] and out.prefill_tokens == 2
+    with pytest.raises(ValueError, match="already held"):
+        verifier.verify([], [PrefillChunk("x", [27], True, greedy)])
+    with pytest.raises(ValueError, match="unknown"):
+        verifier.verify([], [PrefillChunk("y", [5], True, greedy),
+                             PrefillChunk("z", [5], True, greedy, continued=True)])
+    assert not verifier.runner.has_request("y")
+    whole = make_engine(tiny_target[0], "none").verifier.prefill(["w"], [[3, 9, 27]], [greedy], [None])
+    out = verifier.verify([], [PrefillChunk("x", [27], True, greedy, continued=True)])
+    assert out.prefill.first_tokens == whole.first_tokens
 
 
 def test_same_seed_same_output(tiny_target):

@@ -125,6 +125,11 @@ class SchedulerConfig(TracingFields):
     cohorts: int = _field(1, "engine loops over the same services, so one cohort drafts while "
                              "another verifies (dspark.serving.cohorts); 1 = strict alternation")
     sparse_top_k: int = _field(0, "ship draft distributions as top-k; 0 = dense")
+    prefill_chunk_tokens: int = _field(256, "chunked prefill: prompt tokens read per round, in "
+                                            "the round's verification forward; 0 = whole "
+                                            "prompts in a forward of their own")
+    probe_requests: int = _field(4, "async_topk: a probe (a round whose K is known to be 0) "
+                                    "drafts at most this many requests, in turn; 0 = all")
     update_cost_table: bool = _field(True, "refresh SPS(B) from measured verification steps")
     max_tokens_limit: int = _field(2048, "largest max_tokens a client may ask for")
     redis_url: str = _field("", "redis://host:port/db for request state; empty = in memory")
@@ -143,6 +148,8 @@ class SchedulerConfig(TracingFields):
             raise ValueError("max_running and max_tokens_limit must be >= 1, sparse_top_k >= 0")
         if self.cohorts < 1:
             raise ValueError(f"cohorts must be >= 1, got {self.cohorts}")
+        if self.probe_requests < 0 or self.prefill_chunk_tokens < 0:
+            raise ValueError("probe_requests and prefill_chunk_tokens must be >= 0")
         from dspark.admission import AdmissionPolicy
 
         AdmissionPolicy.parse(self.policy)

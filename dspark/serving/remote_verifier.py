@@ -24,7 +24,7 @@ from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import channel
 from dspark.serving.protos import pb, rpc
 from dspark.serving.tracing import outgoing_metadata
-from dspark.verifier import PrefillOutput, VerifyOutput, VerifyRequest
+from dspark.verifier import ChunkOutput, PrefillChunk, PrefillOutput, VerifyOutput, VerifyRequest
 
 # Codes after which the request is retried once the verifier is back, its caches restored.
 _RESTORABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
@@ -74,7 +74,8 @@ class RemoteVerifier:
             self._history[rid] = _History(list(p), s, [t])
         return PrefillOutput(first, [tensor_codec.decode(r.features) for r in reply.results])
 
-    def verify(self, requests: Sequence[VerifyRequest]) -> VerifyOutput:
+    def verify(self, requests: Sequence[VerifyRequest],
+               prefill: Sequence[PrefillChunk] = ()) -> VerifyOutput:
         items = []
         for req in requests:
             tokens, probs, indices = messages.admitted_drafts_to_pb(req.block, req.num_drafts)
@@ -82,17 +83,43 @@ class RemoteVerifier:
                 request_id=str(req.request_id), anchor_token=int(req.anchor_token),
                 draft_tokens=tokens, draft_probs=probs, draft_indices=indices,
                 sampling=messages.sampling_to_pb(req.sampling)))
+        chunks = [pb.verifier.PrefillItem(request_id=str(c.request_id), prompt_ids=list(c.token_ids),
+                                          sampling=messages.sampling_to_pb(c.sampling),
+                                          continued=c.continued, more=not c.final)
+                  for c in prefill]
         ids = [str(r.request_id) for r in requests]
-        reply = self._call(self._stub.Verify, pb.verifier.VerifyBatchRequest(items=items),
-                           restore_ids=ids)
+        continued = [str(c.request_id) for c in prefill if c.continued]
+        reply = self._call(self._stub.Verify,
+                           pb.verifier.VerifyBatchRequest(items=items, prefill=chunks),
+                           restore_ids=ids + continued)
         outputs = [list(r.output_tokens) for r in reply.results]
         for rid, tokens in zip(ids, outputs):
             if rid in self._history:
                 self._history[rid].produced += tokens
+        chunk_out = None
+        if prefill:
+            first = [None if r.first_token < 0 else int(r.first_token)
+                     for r in reply.prefill_results]
+            self._remember_chunks(prefill, first)
+            chunk_out = ChunkOutput(first, [tensor_codec.decode(r.features)
+                                            for r in reply.prefill_results])
         return VerifyOutput([int(r.num_accepted) for r in reply.results], outputs,
                             [tensor_codec.decode(r.features) for r in reply.results],
                             batch_tokens=int(reply.batch_tokens),
-                            step_seconds=float(reply.step_seconds))
+                            step_seconds=float(reply.step_seconds), prefill=chunk_out,
+                            prefill_tokens=int(reply.prefill_tokens))
+
+    def _remember_chunks(self, prefill: Sequence[PrefillChunk], first: list[int | None]) -> None:
+        """History of chunked prompts: the tokens read so far (what a restore re-reads), then the
+        first token once the prompt is complete."""
+        for chunk, token in zip(prefill, first):
+            rid = str(chunk.request_id)
+            if not chunk.continued or rid not in self._history:
+                self._history[rid] = _History([], chunk.sampling)
+            history = self._history[rid]
+            history.prompt_ids += list(chunk.token_ids)
+            if token is not None:
+                history.produced.append(token)
 
     def release(self, request_id: Hashable) -> None:
         rid = str(request_id)

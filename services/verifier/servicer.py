@@ -21,7 +21,7 @@ from dspark.serving import messages, tensor_codec
 from dspark.serving.idle_expiry import IdleExpiry
 from dspark.serving.protos import pb, rpc
 from dspark.serving.tracing import incoming_context
-from dspark.verifier import TargetVerifier, VerifyRequest
+from dspark.verifier import PrefillChunk, TargetVerifier, VerifyRequest
 
 
 @dataclass(frozen=True)
@@ -125,24 +125,67 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
             with self._lock:
                 self._expire_idle_locked()
                 runner = self.verifier.runner
-                missing = [it.request_id for it in request.items if not runner.has_request(it.request_id)]
+                held = [it.request_id for it in request.items] + [
+                    it.request_id for it in request.prefill if it.continued]
+                missing = [rid for rid in held if not runner.has_request(rid)]
                 if missing:
                     context.abort(grpc.StatusCode.NOT_FOUND,
                                   f"requests not held by this verifier: {','.join(missing)}")
                 try:
+                    self._check_chunks(request.prefill)
+                    for it in request.prefill:  # a first chunk replaces whatever was held
+                        if not it.continued:
+                            self._release_locked(it.request_id)
                     batch = [self._verify_request(it, runner) for it in request.items]
-                    out = self.verifier.verify(batch)
+                    chunks = [self._prefill_chunk(it) for it in request.prefill]
+                    out = self.verifier.verify(batch, chunks)
                 except (KVCacheFull, ValueError) as e:
+                    for it in request.prefill:
+                        if not it.continued:
+                            self._generators.pop(it.request_id, None)
                     self._abort_on(context, e)
-                for it in request.items:
-                    self._idle.touch(it.request_id)
+                for rid in [*held, *(it.request_id for it in request.prefill)]:
+                    self._idle.touch(rid)
             span.set_attribute("dspark.batch_tokens", out.batch_tokens)
+            span.set_attribute("dspark.prefill_tokens", out.prefill_tokens)
             span.set_attribute("dspark.num_accepted", list(out.num_accepted))
             results = [pb.verifier.VerifyResult(num_accepted=int(n), output_tokens=tokens,
                                                 features=tensor_codec.encode(f))
                        for n, tokens, f in zip(out.num_accepted, out.output_tokens, out.features)]
+            prefill = [] if out.prefill is None else [
+                pb.verifier.PrefillResult(first_token=-1 if t is None else int(t),
+                                          features=tensor_codec.encode(f))
+                for t, f in zip(out.prefill.first_tokens, out.prefill.features)]
             return pb.verifier.VerifyBatchReply(results=results, batch_tokens=out.batch_tokens,
-                                                step_seconds=out.step_seconds)
+                                                step_seconds=out.step_seconds,
+                                                prefill_results=prefill,
+                                                prefill_tokens=out.prefill_tokens)
+
+    def _check_chunks(self, items) -> None:
+        """Prompt chunks: tokens in the vocabulary, each request once, within the context."""
+        vocab = self.verifier.vocab_size
+        seen = set()
+        for item in items:
+            rid = item.request_id
+            if not rid or rid in seen:
+                raise ValueError(f"prefill chunk without request_id or repeated: {rid!r}")
+            seen.add(rid)
+            chunk = list(item.prompt_ids)
+            if not chunk:
+                raise ValueError(f"{rid}: empty prompt chunk")
+            if min(chunk) < 0 or max(chunk) >= vocab:
+                raise ValueError(f"{rid}: prompt token outside the vocabulary 0..{vocab - 1}")
+            held = self.verifier.runner.length(rid) if item.continued else 0
+            if held + len(chunk) >= self.limits.max_context_tokens:
+                raise ValueError(f"{rid}: prompt of {held + len(chunk)} tokens does not fit "
+                                 f"the context of {self.limits.max_context_tokens}")
+
+    def _prefill_chunk(self, item) -> PrefillChunk:
+        params = messages.sampling_from_pb(item.sampling)
+        if not item.continued:
+            self._generators[item.request_id] = params.generator()
+        return PrefillChunk(item.request_id, list(item.prompt_ids), not item.more, params,
+                            self._generators.get(item.request_id), continued=item.continued)
 
     def _verify_request(self, item, runner) -> VerifyRequest:
         block, n = messages.admitted_drafts_from_pb(item, self.verifier.vocab_size)

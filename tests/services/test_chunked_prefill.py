@@ -1,0 +1,77 @@
+"""Chunked prefill over gRPC: prompt chunks riding in Verify calls on a real verifier process give
+the in-process verifier's first token and features, and a verifier restarted between two chunks
+is restored from the chunks read so far (RemoteVerifier keeps them), with the same result."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from dspark.evaluation.loading import load_target
+from dspark.sampling import SamplingParams
+from dspark.serving.local_stack import wait_grpc
+from dspark.serving.remote_verifier import RemoteVerifier, VerifierRejected
+from dspark.serving.tiny_models import LAYER_IDS
+from dspark.verifier import PrefillChunk, TargetVerifier, VerifyRequest
+
+PROMPT = [3, 9, 27, 17, 5, 6, 40]
+GREEDY = SamplingParams(temperature=0)
+
+
+def chunks_of(rid: str, pieces: list[list[int]], done: int) -> list[PrefillChunk]:
+    """The chunk after the first `done` pieces, as the engine plans it."""
+    piece = pieces[done]
+    return [PrefillChunk(rid, piece, done == len(pieces) - 1, GREEDY, continued=done > 0)]
+
+
+@pytest.fixture(scope="module")
+def local(tiny_models):
+    return TargetVerifier(load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=1024))
+
+
+def test_chunks_over_grpc_equal_one_local_prefill(shared_verifier, local):
+    whole = local.prefill(["whole"], [PROMPT], [GREEDY], [None])
+    remote = RemoteVerifier(shared_verifier.address)
+    pieces = [PROMPT[:3], PROMPT[3:6], PROMPT[6:]]
+    try:
+        features, first = [], None
+        for done in range(len(pieces)):
+            out = remote.verify([], chunks_of("grpc-chunked", pieces, done))
+            assert out.prefill_tokens == len(pieces[done]) and out.batch_tokens == 0
+            features.append(out.prefill.features[0])
+            first = out.prefill.first_tokens[0]
+            assert (first is None) == (done < len(pieces) - 1)
+        assert first == whole.first_tokens[0]
+        torch.testing.assert_close(torch.cat(features), whole.features[0], atol=1e-4, rtol=1e-4)
+        # the next round verifies it like any request
+        step = remote.verify([VerifyRequest("grpc-chunked", first, None, 0, GREEDY)])
+        local_step = local.verify([VerifyRequest("whole", first, None, 0, GREEDY)])
+        assert step.output_tokens == local_step.output_tokens
+        with pytest.raises(VerifierRejected, match="vocabulary"):
+            remote.verify([], [PrefillChunk("bad", [10 ** 6], True, GREEDY)])
+    finally:
+        remote.release("grpc-chunked")
+        local.release("whole")
+        remote.close()
+
+
+def test_verifier_restarted_between_chunks_is_restored(launcher, local):
+    whole = local.prefill(["whole2"], [PROMPT], [GREEDY], [None])
+    local.release("whole2")
+    verifier, address = launcher.verifier("verifier_chunk_restart")
+    port = int(address.rsplit(":", 1)[1])
+    remote = RemoteVerifier(address, wait_seconds=60)
+    pieces = [PROMPT[:4], PROMPT[4:]]
+    try:
+        wait_grpc(verifier, address)
+        assert remote.verify([], chunks_of("r", pieces, 0)).prefill.first_tokens == [None]
+        verifier.proc.send_signal(signal.SIGSTOP)
+        verifier.stop(signal.SIGKILL)
+        verifier, _ = launcher.verifier("verifier_chunk_restarted", port=port)
+        out = remote.verify([], chunks_of("r", pieces, 1))  # NOT_FOUND -> restore 4 -> retry
+        assert out.prefill.first_tokens == whole.first_tokens
+    finally:
+        remote.close()
+        verifier.stop()

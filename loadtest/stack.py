@@ -83,14 +83,18 @@ class RunningStack:
 
 
 def start_stack(models: ModelChoice, policy: str, log_dir: Path,
-                extra_scheduler_args: tuple[str, ...] = ()) -> RunningStack:
-    """Start and wait for a stack serving `policy`; stops what it started if any part fails."""
+                extra_scheduler_args: tuple[str, ...] = (), trace_file: Path | None = None
+                ) -> RunningStack:
+    """Start and wait for a stack serving `policy`; stops what it started if any part fails.
+    With `trace_file`, all three services append their spans to it (loadtest/trace_report.py)."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    trace = [] if trace_file is None else ["--trace-exporter", "file", "--trace-file",
+                                           str(trace_file)]
     use_drafter = policy != "none" and models.drafter_dir not in ("", "none")
     common = ["--dtype", models.dtype, "--device", models.device]
     model = ["--model-dir", models.model_dir] if models.model_dir else []
     verifier_port, drafter_port = free_port(), free_port()
-    verifier_args = ["services.verifier", "--port", str(verifier_port), *model, *common,
+    verifier_args = ["services.verifier", "--port", str(verifier_port), *model, *common, *trace,
                      "--hidden-layer-ids", "" if use_drafter else "none"]
     if use_drafter:
         verifier_args += ["--drafter-dir", models.drafter_dir]
@@ -103,7 +107,7 @@ def start_stack(models: ModelChoice, policy: str, log_dir: Path,
     if use_drafter:
         backends.append((ServiceProcess("drafter", [
             "services.drafter", "--port", str(drafter_port), "--drafter-dir", models.drafter_dir,
-            *model, *common], log_dir), f"127.0.0.1:{drafter_port}"))
+            *model, *common, *trace], log_dir), f"127.0.0.1:{drafter_port}"))
     try:
         for proc, _ in backends:
             stack.processes.append(proc.start())
@@ -114,7 +118,7 @@ def start_stack(models: ModelChoice, policy: str, log_dir: Path,
             str(stack.grpc_port), "--verifier", f"127.0.0.1:{verifier_port}",
             "--drafter", f"127.0.0.1:{drafter_port}" if use_drafter else "",
             "--model-name", models.model_name, "--policy", policy, *model,
-            *models.scheduler_args, *extra_scheduler_args], log_dir)
+            *models.scheduler_args, *trace, *extra_scheduler_args], log_dir)
         stack.processes.append(scheduler.start())
         wait_http(scheduler, stack.http_port)
     except BaseException:

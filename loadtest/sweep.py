@@ -12,6 +12,9 @@ verification length). It writes to --out:
 - `verification_length.png`: mean drafts verified per request per round against users
 - `sla_throughput.csv`: the aggregate throughput each policy holds at each SLA level
 - `locust/`: Locust's own CSVs and logs per level; `logs/`: the services' logs per policy
+- with `--trace`: `traces/<policy>.jsonl` (every service's spans) and `round_kinds.csv` / `.md`:
+  per level, the scheduler's rounds grouped by what they did and where their time went
+  (loadtest/trace_report.py)
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-table", default="", help="SPS(B) JSON for the verifier")
     parser.add_argument("--extra-scheduler-args", default="", help="space-separated")
     parser.add_argument("--out", default="", help="output folder (default: runs/loadtest-<time>)")
+    parser.add_argument("--trace", action="store_true",
+                        help="trace every service to traces/<policy>.jsonl and write the round "
+                             "breakdown per level (round_kinds.csv / .md)")
 
 
 def run_locust(stack, args: argparse.Namespace, model_name: str, users: int, prefix: Path
@@ -94,17 +100,24 @@ def run_locust(stack, args: argparse.Namespace, model_name: str, users: int, pre
     return json.loads(summary_path.read_text())
 
 
-def sweep_policy(policy: str, models, args: argparse.Namespace, out: Path) -> list[LevelResult]:
+def sweep_policy(policy: str, models, args: argparse.Namespace, out: Path
+                 ) -> tuple[list[LevelResult], list[dict]]:
+    """The policy's levels, and (with --trace) its round breakdown rows per level."""
     from loadtest.stack import start_stack
 
     safe = policy.replace(":", "-")
     print(f"loadtest: starting the stack for policy {policy}", file=sys.stderr, flush=True)
+    trace_file = out / "traces" / f"{safe}.jsonl" if args.trace else None
+    if trace_file is not None:
+        trace_file.parent.mkdir(parents=True, exist_ok=True)
+        trace_file.unlink(missing_ok=True)
     stack = start_stack(models, policy, out / "logs" / safe,
-                        tuple(args.extra_scheduler_args.split()))
-    results = []
+                        tuple(args.extra_scheduler_args.split()), trace_file)
+    results, windows = [], []
     try:
         stack.warm_up(models.model_name)
         for users in args.users:
+            started_ns = time.time_ns()
             text = stack.metrics_text()
             before, stages_before = counter_values(text), stage_seconds(text)
             summary = run_locust(stack, args, models.model_name, users,
@@ -120,13 +133,33 @@ def sweep_policy(policy: str, models, args: argparse.Namespace, out: Path) -> li
                     f"{summary['first_errors'][:1]}); raise --duration-s or lower --max-tokens "
                     f"(Locust log: {out / 'locust' / f'{safe}_u{users}_locust.log'})")
             results.append(result)
+            windows.append((users, started_ns, time.time_ns()))
             print(f"loadtest: {policy:>12} users={users:<3} per-user "
                   f"{result.per_user_tokens_per_s:7.1f} tok/s  aggregate "
                   f"{result.aggregate_tokens_per_s:7.1f} tok/s  verification length "
                   f"{result.mean_verification_length:.2f}", file=sys.stderr, flush=True)
     finally:
-        stack.stop()
-    return results
+        stack.stop()  # (the services flush their spans as they exit)
+    return results, [] if trace_file is None else round_kind_rows(policy, trace_file, windows)
+
+
+def round_kind_rows(policy: str, trace_file: Path, windows: list[tuple[int, int, int]]
+                    ) -> list[dict]:
+    """Rows of round_kinds.csv: one per (level, round kind)."""
+    from loadtest.trace_report import classify_rounds, read_spans
+
+    spans = read_spans(trace_file)
+    rows = []
+    for users, since_ns, until_ns in windows:
+        kinds = classify_rounds(spans, since_ns, until_ns)
+        total = sum(k.seconds for k in kinds) or 1.0
+        rows += [{"policy": policy, "users": users, "kind": k.kind, "rounds": k.rounds,
+                  "seconds": round(k.seconds, 4), "share": round(k.seconds / total, 4),
+                  "ms_per_round": round(k.ms_per_round, 2),
+                  "verifier_seconds": round(k.verifier_seconds, 4),
+                  "drafter_seconds": round(k.drafter_seconds, 4),
+                  "rest_seconds": round(k.rest_seconds, 4)} for k in kinds]
+    return rows
 
 
 def choose_models(args: argparse.Namespace, out: Path):
@@ -152,6 +185,19 @@ def write_outputs(results: list[LevelResult], args: argparse.Namespace, out: Pat
     plot_verification_length(results, out / "verification_length.png")
 
 
+def write_round_kinds(rows: list[dict], out: Path) -> None:
+    """round_kinds.csv, and round_kinds.md: one markdown table per (policy, users)."""
+    from loadtest.trace_report import RoundKind, format_table
+
+    write_csv(out / "round_kinds.csv", rows)
+    sections = []
+    for key in dict.fromkeys((r["policy"], r["users"]) for r in rows):
+        kinds = [RoundKind(r["kind"], r["rounds"], r["seconds"], r["verifier_seconds"],
+                           r["drafter_seconds"]) for r in rows if (r["policy"], r["users"]) == key]
+        sections.append(f"### {key[0]}, {key[1]} users\n\n{format_table(kinds)}\n")
+    (out / "round_kinds.md").write_text("\n".join(sections))
+
+
 def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or args.duration_s <= 0 or args.max_tokens < 1 \
@@ -170,14 +216,18 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or REPO_ROOT / "runs" / time.strftime("loadtest-%Y%m%d-%H%M%S"))
     (out / "locust").mkdir(parents=True, exist_ok=True)
     models = choose_models(args, out)
-    results = []
+    results, kind_rows = [], []
     try:
         for policy in policies:
-            results += sweep_policy(policy, models, args, out)
+            levels, rows = sweep_policy(policy, models, args, out)
+            results += levels
+            kind_rows += rows
     except (RuntimeError, TimeoutError, subprocess.SubprocessError) as e:
         print(f"loadtest: {e}", file=sys.stderr)
         return 1
     write_outputs(results, args, out)
+    if args.trace:
+        write_round_kinds(kind_rows, out)
     print(f"loadtest: wrote {out}/frontier.csv, frontier.png, verification_length.png, "
           f"sla_throughput.csv", file=sys.stderr)
     return 0

@@ -99,7 +99,7 @@ def test_sweep_writes_one_row_per_policy_and_level(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "dspark.cli", "loadtest", "--tiny", "--policies",
            "none,async_topk", "--users", "1,2", "--duration-s", "2",
-           "--max-tokens", str(MAX_TOKENS), "--sla", "1,1000000", "--out", str(out)]
+           "--max-tokens", str(MAX_TOKENS), "--sla", "1,1000000", "--out", str(out), "--trace"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=150)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -131,3 +131,19 @@ def test_sweep_writes_one_row_per_policy_and_level(tmp_path):
         assert holds[(policy, 1e6)]["users"] == ""
     for png in ("frontier.png", "verification_length.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # --trace: every service's spans, and the rounds of each level by kind
+    assert (out / "traces" / "none.jsonl").stat().st_size > 0
+    services = {json.loads(line)["service"]
+                for line in (out / "traces" / "async_topk.jsonl").read_text().splitlines()}
+    assert services == {"scheduler", "verifier", "drafter"}
+    with (out / "round_kinds.csv").open() as f:
+        kinds = list(csv.DictReader(f))
+    for policy, users in [("none", 1), ("none", 2), ("async_topk", 1), ("async_topk", 2)]:
+        level = [k for k in kinds if (k["policy"], int(k["users"])) == (policy, users)]
+        assert level and sum(float(k["share"]) for k in level) == pytest.approx(1.0, abs=1e-3)
+        assert all(int(k["rounds"]) > 0 for k in level)
+        assert any("decode" in k["kind"] for k in level)
+        drafted = any("drafted" in k["kind"] for k in level)
+        assert drafted == (policy == "async_topk"), level
+    assert "### async_topk, 2 users" in (out / "round_kinds.md").read_text()

@@ -277,6 +277,25 @@ def test_chunked_prefill_reads_a_long_prompt_while_others_decode(tiny_target, re
                                                                  reference_greedy[2]]
 
 
+def test_abort_while_prefilling_frees_the_partial_prompt(tiny_target, reference_greedy):
+    """A request aborted between two chunks of its prompt leaves no KV cache or drafter context
+    behind, and the request that was running goes on unchanged."""
+    engine = make_engine(tiny_target[0], "async_topk", max_running=2, prefill_chunk_tokens=3)
+    kept = engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=24)
+    requests = {kept: engine.waiting[-1]}
+    engine.step()
+    engine.step()
+    gone = engine.add_request(PROMPTS[2], SamplingParams(temperature=0), max_tokens=24)
+    engine.step()  # 3 of its 7 prompt tokens read
+    assert engine.prefilling and engine.verifier.runner.length(gone) == 3
+    engine.abort(gone)
+    assert not engine.prefilling and not engine.verifier.runner.has_request(gone)
+    assert gone not in engine.drafter._pending
+    while engine.has_unfinished():
+        engine.step()
+    assert requests[kept].output_ids == reference_greedy[0]
+
+
 def test_chunked_prefill_keeps_seeded_outputs(tiny_target):
     """The first token's random draw comes with the prompt's last chunk, so a seeded request
     samples the same tokens whatever the chunk size (under a policy whose admissions do not

@@ -1,10 +1,15 @@
-"""The sweep's results: one row per (policy, concurrency level), and the SLA table.
+"""The sweep's results: one row per (policy, concurrency level), the SLA table, and per-user
+speed at matched aggregate throughput.
 
 A level's per-user speed is the mean over its responses of the tokens/s after the first token;
 its aggregate throughput is every token the clients received in the run window divided by the
 window's length. A level *holds* an SLA of X tokens/s when at least `attainment` (default 90%) of
 its responses reached X; the throughput a policy holds at X is the highest aggregate throughput
 among its levels that hold X (0 when none does).
+
+Matched throughput (the paper's comparison, section 5.4): at each level of a baseline policy, the
+other policy's per-user speed at the same aggregate throughput, read off its frontier (its levels
+in order of users, joined by straight lines; never extrapolated past its first or last level).
 """
 
 from __future__ import annotations
@@ -90,6 +95,65 @@ def sla_table(results: list[LevelResult], sla_levels: list[float],
             table.append(SlaHold(policy, sla, attainment,
                                  best.aggregate_tokens_per_s if best else 0.0,
                                  best.users if best else None))
+    return table
+
+
+@dataclass(frozen=True)
+class MatchedSpeed:
+    """`policy`'s per-user speed where its frontier reaches one level of `baseline`'s throughput."""
+
+    policy: str
+    baseline: str
+    baseline_users: int
+    aggregate_tokens_per_s: float
+    baseline_per_user: float
+    policy_per_user: float | None
+    """None when `policy`'s frontier does not reach this throughput."""
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.policy_per_user is None else self.policy_per_user / self.baseline_per_user
+
+    def row(self) -> dict:
+        return {"policy": self.policy, "baseline": self.baseline,
+                "baseline_users": self.baseline_users,
+                "aggregate_tokens_per_s": round(self.aggregate_tokens_per_s, 3),
+                "baseline_per_user_tokens_per_s": round(self.baseline_per_user, 3),
+                "policy_per_user_tokens_per_s": ("" if self.policy_per_user is None
+                                                 else round(self.policy_per_user, 3)),
+                "ratio": "" if self.ratio is None else round(self.ratio, 3)}
+
+
+def per_user_at(levels: list[LevelResult], aggregate: float) -> float | None:
+    """Per-user speed of one policy's frontier at this aggregate throughput: linear between the
+    first pair of consecutive levels (by users) that brackets it; None if none does."""
+    points = sorted(levels, key=lambda r: r.users)
+    for a, b in zip(points, points[1:]):
+        lo, hi = sorted((a.aggregate_tokens_per_s, b.aggregate_tokens_per_s))
+        if lo <= aggregate <= hi:
+            if hi == lo:
+                return max(a.per_user_tokens_per_s, b.per_user_tokens_per_s)
+            t = (aggregate - a.aggregate_tokens_per_s) / (b.aggregate_tokens_per_s
+                                                          - a.aggregate_tokens_per_s)
+            return a.per_user_tokens_per_s + t * (b.per_user_tokens_per_s - a.per_user_tokens_per_s)
+    exact = [p.per_user_tokens_per_s for p in points if p.aggregate_tokens_per_s == aggregate]
+    return exact[0] if exact else None
+
+
+def matched_speeds(results: list[LevelResult]) -> list[MatchedSpeed]:
+    """For every ordered pair of policies, at each of the baseline's levels."""
+    policies = list(dict.fromkeys(r.policy for r in results))
+    table = []
+    for policy in policies:
+        mine = [r for r in results if r.policy == policy]
+        for baseline in policies:
+            if baseline == policy:
+                continue
+            for level in sorted((r for r in results if r.policy == baseline), key=lambda r: r.users):
+                table.append(MatchedSpeed(policy, baseline, level.users,
+                                          level.aggregate_tokens_per_s,
+                                          level.per_user_tokens_per_s,
+                                          per_user_at(mine, level.aggregate_tokens_per_s)))
     return table
 
 

@@ -11,6 +11,8 @@ verification length). It writes to --out:
 - `frontier.png`: aggregate tokens/s against per-user tokens/s, one curve per policy
 - `verification_length.png`: mean drafts verified per request per round against users
 - `sla_throughput.csv`: the aggregate throughput each policy holds at each SLA level
+- `matched_throughput.csv`: each policy's per-user speed at each other policy's aggregate
+  throughputs (interpolated along its frontier), and the ratio (loadtest/results.py)
 - `locust/`: Locust's own CSVs and logs per level; `logs/`: the services' logs per policy
 - with `--trace`: `traces/<policy>.jsonl` (every service's spans) and `round_kinds.csv` / `.md`:
   per level, the scheduler's rounds grouped by what they did and where their time went
@@ -32,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:  # `dspark loadtest` runs from the installed 
     sys.path.insert(0, str(REPO_ROOT))
 
 from loadtest.prometheus import SpeculationDelta, counter_values, stage_seconds  # noqa: E402
-from loadtest.results import LevelResult, sla_table, write_csv  # noqa: E402
+from loadtest.results import LevelResult, matched_speeds, sla_table, write_csv  # noqa: E402
 
 POLICIES = "none,fixed:1,fixed:7,sync_greedy,async_topk"
 USER_CLASSES = {"rest": "ChatStreamUser", "grpc": "GrpcGenerateUser"}
@@ -181,6 +183,9 @@ def write_outputs(results: list[LevelResult], args: argparse.Namespace, out: Pat
         {"policy": h.policy, "sla_tokens_per_s": h.sla_tokens_per_s,
          "attainment": h.attainment, "aggregate_tokens_per_s": round(h.aggregate_tokens_per_s, 3),
          "users": "" if h.users is None else h.users} for h in holds])
+    matched = matched_speeds(results)
+    if matched:  # (one policy alone has nothing to match)
+        write_csv(out / "matched_throughput.csv", [m.row() for m in matched])
     plot_frontier(results, out / "frontier.png")
     plot_verification_length(results, out / "verification_length.png")
 
@@ -229,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         write_round_kinds(kind_rows, out)
     print(f"loadtest: wrote {out}/frontier.csv, frontier.png, verification_length.png, "
-          f"sla_throughput.csv", file=sys.stderr)
+          f"sla_throughput.csv, matched_throughput.csv", file=sys.stderr)
     return 0
 
 

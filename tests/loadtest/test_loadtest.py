@@ -129,6 +129,11 @@ def test_sweep_writes_one_row_per_policy_and_level(tmp_path):
         assert held == pytest.approx(best, abs=1e-3)
         assert float(holds[(policy, 1e6)]["aggregate_tokens_per_s"]) == 0
         assert holds[(policy, 1e6)]["users"] == ""
+    with (out / "matched_throughput.csv").open() as f:
+        matched = list(csv.DictReader(f))
+    assert {(m["policy"], m["baseline"]) for m in matched} == {("none", "async_topk"),
+                                                               ("async_topk", "none")}
+    assert len(matched) == 4
     for png in ("frontier.png", "verification_length.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

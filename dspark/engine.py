@@ -174,8 +174,8 @@ class RoundRecord:
     whole block gamma unless async_topk drafted fewer, see Engine._positions_to_draft)."""
     num_admitted: list[int]
     """[num_requests] l_r: drafts sent to the target."""
-    num_accepted: list[int]
-    """[num_requests] drafts accepted (<= l_r)."""
+    num_accepted: list[int] | None
+    """[num_requests] drafts accepted (<= l_r); filled in after verification."""
 
 
 class Engine:
@@ -313,54 +313,20 @@ class Engine:
     def _round(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
         running = list(self.running)
         gamma = self.drafter.gamma if self.speculative else 0
-        blocks = [None] * len(running)
-        lengths = np.zeros(len(running), dtype=np.int64)
         drafting = self.speculative and not self._skip_drafting()
         if self.speculative and not drafting:
             self.admitter.skip(len(running), gamma)
             self._rounds_without_draft += 1
             self.stats.skipped_draft_rounds += 1
             self.stats.capacity.append(0)
-        drafted = running
+        blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
         if drafting:
-            self._rounds_without_draft = 0
-            sample = self._probe_sample(len(running))
-            if sample is not None:
-                drafted = [running[i] for i in sample]
-            start = time.perf_counter()
-            num_positions = self._positions_to_draft(gamma)
-            drafted_blocks = self.drafter.draft(
-                [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
-                              r.generator) for r in drafted],
-                sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
-            mid = time.perf_counter()
-            confidences = torch.stack([b.confidences for b in drafted_blocks]).float()  # [S, num_positions]
-            if sample is None:
-                blocks = drafted_blocks
-                # No request verifies more drafts than it may still emit (the bonus is the +1).
-                caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
-                                 for r in running])
-                lengths = self.admitter.admit(confidences, max_lengths=caps, block_size=gamma)
-            else:  # a sampled probe: K is 0, nothing is verified, the blocks only inform K
-                self.admitter.probe(confidences, len(running), gamma)
-                self.stats.sampled_probe_rounds += 1
-            end = time.perf_counter()
-            self.stats.draft_seconds += mid - start
-            self.stats.admission_seconds += end - mid
-            if self.config.update_cost_table and sample is None:
-                # (a sample's drafting would understate what drafting the whole batch costs)
-                self.cost_table.observe_draft(mid - start)
-            if self.admitter.capacity_used is not None:
-                self.stats.capacity.append(self.admitter.capacity_used)
-                self._back_off_probes(self.admitter.capacity_used)
+            blocks, lengths, record = self._draft_and_admit(running, gamma)
 
-        verify_requests = [
-            VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator)
-            for r, block, n in zip(running, blocks, lengths)]
-        if planned:
-            result = self.verifier.verify(verify_requests, [c for _, c in planned])
-        else:
-            result = self.verifier.verify(verify_requests)
+        result = self.verifier.verify(
+            [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator)
+             for r, block, n in zip(running, blocks, lengths)],
+            [c for _, c in planned])
         self.stats.rounds += 1
         # A forward that also read prompt chunks: its time is split by tokens between the
         # stages, and it is no sample of SPS(B) for the cost table.
@@ -371,13 +337,9 @@ class Engine:
         if self.config.update_cost_table and not result.prefill_tokens:
             self.cost_table.observe(result.batch_tokens, result.step_seconds)
         if self.round_observer is not None and drafting:
-            if drafted is running:
-                self.round_observer(RoundRecord([r.request_id for r in running], confidences,
-                                                [int(n) for n in lengths],
-                                                list(result.num_accepted)))
-            else:
-                self.round_observer(RoundRecord([r.request_id for r in drafted], confidences,
-                                                [0] * len(drafted), [0] * len(drafted)))
+            if record.num_accepted is None:  # every running request: its acceptance is known now
+                record.num_accepted = list(result.num_accepted)
+            self.round_observer(record)
 
         outputs = []
         for r, n, accepted, tokens, features in zip(running, lengths, result.num_accepted,
@@ -389,10 +351,49 @@ class Engine:
                                             torch.arange(first, first + 1 + accepted),
                                             torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
             outputs.append(self._emit(r, tokens))
-        if planned:
-            outputs += self._take_chunks(planned, result.prefill)
+        outputs += self._take_chunks(planned, result.prefill) if planned else []
         self._retire_finished()
         return outputs
+
+    def _draft_and_admit(self, running: list[Request], gamma: int
+                         ) -> tuple[list, np.ndarray, RoundRecord]:
+        """Draft (every running request, or a probe's sample) and decide l_r: the blocks
+        [R] (None where not drafted), lengths [R], and the round's record (num_accepted None
+        until verified, zeros for a sample, which verifies nothing)."""
+        self._rounds_without_draft = 0
+        sample = self._probe_sample(len(running))
+        drafted = running if sample is None else [running[i] for i in sample]
+        start = time.perf_counter()
+        num_positions = self._positions_to_draft(gamma)
+        drafted_blocks = self.drafter.draft(
+            [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
+                          r.generator) for r in drafted],
+            sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
+        mid = time.perf_counter()
+        confidences = torch.stack([b.confidences for b in drafted_blocks]).float()  # [S, num_positions]
+        if sample is None:
+            blocks = drafted_blocks
+            # No request verifies more drafts than it may still emit (the bonus is the +1).
+            caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
+                             for r in running])
+            lengths = self.admitter.admit(confidences, max_lengths=caps, block_size=gamma)
+            record = RoundRecord([r.request_id for r in running], confidences,
+                                 [int(n) for n in lengths], None)
+        else:  # a sampled probe: K is 0, nothing is verified, the blocks only inform K
+            self.admitter.probe(confidences, len(running), gamma)
+            self.stats.sampled_probe_rounds += 1
+            blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
+            record = RoundRecord([r.request_id for r in drafted], confidences,
+                                 [0] * len(drafted), [0] * len(drafted))
+        self.stats.draft_seconds += mid - start
+        self.stats.admission_seconds += time.perf_counter() - mid
+        if self.config.update_cost_table and sample is None:
+            # (a sample's drafting would understate what drafting the whole batch costs)
+            self.cost_table.observe_draft(mid - start)
+        if self.admitter.capacity_used is not None:
+            self.stats.capacity.append(self.admitter.capacity_used)
+            self._back_off_probes(self.admitter.capacity_used)
+        return blocks, lengths, record
 
     def _positions_to_draft(self, gamma: int) -> int:
         """Positions per block worth drafting this round. With `async_topk` and a known K, no

@@ -419,12 +419,14 @@ class AsyncTopKAdmission:
             caps = None if max_lengths is None else np.where(
                 np.asarray(max_lengths) >= n, block_size, np.asarray(max_lengths))
             candidates = sorted_candidates(survival_probs(extended), caps)
+        self._hand_on(step_index, best_capacity(candidates, self.cost_table, self.objective))
+        return lengths
+
+    def _hand_on(self, step_index: int, k: int) -> None:
+        """K for step ``t + lag``; forget what was decided for steps already past."""
         for stale in [s for s in self._capacity_for_step if s <= step_index]:
             del self._capacity_for_step[stale]
-        self._capacity_for_step[step_index + self.lag] = best_capacity(
-            candidates, self.cost_table, self.objective
-        )
-        return lengths
+        self._capacity_for_step[step_index + self.lag] = k
 
     def probe(self, c_sample: Any, step_index: int, num_requests: int, block_size: int) -> None:
         """Step ``step_index`` verifies no drafts (its K is 0), but the drafter drafted a *sample*
@@ -443,10 +445,8 @@ class AsyncTopKAdmission:
         self._update_means(c)
         block = self._mean_block(num_requests, block_size).copy()  # [num_requests, block_size]
         block[:sampled, :n] = c
-        for stale in [s for s in self._capacity_for_step if s <= step_index]:
-            del self._capacity_for_step[stale]
-        self._capacity_for_step[step_index + self.lag] = best_capacity(
-            sorted_candidates(survival_probs(block)), self.cost_table, self.objective)
+        self._hand_on(step_index, best_capacity(sorted_candidates(survival_probs(block)),
+                                                self.cost_table, self.objective))
         self.capacity_used = 0
         self.used_prior = False
 
@@ -459,14 +459,12 @@ class AsyncTopKAdmission:
         """Step ``step_index`` drafted nothing because its K was 0: it verifies no drafts. With no
         fresh candidates, the K of step ``t + lag`` comes from a block of running means for
         ``num_requests`` requests (0 if they are not given or nothing was seen yet)."""
-        for stale in [s for s in self._capacity_for_step if s <= step_index]:
-            del self._capacity_for_step[stale]
         k = 0
         if num_requests and block_size and self.mean_confidence.size:
             means = self._mean_block(num_requests, block_size)
             k = best_capacity(sorted_candidates(survival_probs(means)), self.cost_table,
                               self.objective)
-        self._capacity_for_step[step_index + self.lag] = k
+        self._hand_on(step_index, k)
         self.capacity_used = 0
         self.used_prior = False
 

@@ -92,7 +92,8 @@ def classify_rounds(spans: list[dict], since_ns: int | None = None,
                 until_ns is not None and r["start_ns"] >= until_ns):
             continue
         mine = children.get(r["span_id"], [])
-        kind = kinds.setdefault(round_kind(mine), RoundKind(round_kind(mine)))
+        name = round_kind(mine)
+        kind = kinds.setdefault(name, RoundKind(name))
         kind.rounds += 1
         kind.seconds += _seconds(r)
         kind.verifier_seconds += sum(_seconds(s) for s in mine if s["name"] in VERIFIER_SPANS)

@@ -197,8 +197,9 @@ class SchedulerMetrics:
               "Rounds run as plain decoding because the drafter was unavailable.",
               [({}, self.fallback_rounds_total)]),
             F("round_seconds_total", "counter",
-              "Engine time by stage: prefill, draft (incl. the drafter service round trip), "
-              "admission, verify (the target's step), other (sampling, commits, bookkeeping).",
+              "Engine time by stage: prefill (a fused forward's prompt-token share), draft (incl. "
+              "the drafter service round trip), admission, verify (the target's step), other "
+              "(sampling, commits, bookkeeping).",
               [({"stage": stage}, round(value, 6)) for stage, value in self.stage_seconds.items()]),
             F("spec_decode_skipped_draft_rounds_total", "counter",
               "async_topk rounds that did not draft because their capacity K was 0.",

@@ -100,25 +100,32 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
             return pb.verifier.PrefillReply(results=results)
 
     def _check_prefill(self, request):
-        ids, prompts, params = [], [], []
+        self._check_prompts(request.items)
+        return ([item.request_id for item in request.items],
+                [list(item.prompt_ids) for item in request.items],
+                [messages.sampling_from_pb(item.sampling) for item in request.items])
+
+    def _check_prompts(self, items) -> None:
+        """Prompts (whole, or chunks that may continue what the cache holds): a request id,
+        each request once, tokens in the vocabulary, within the context."""
         vocab = self.verifier.vocab_size
-        for item in request.items:
-            if not item.request_id:
+        seen = set()
+        for item in items:
+            rid = item.request_id
+            if not rid:
                 raise ValueError("prefill item without request_id")
+            if rid in seen:
+                raise ValueError(f"request {rid} appears twice in one call")
+            seen.add(rid)
             prompt = list(item.prompt_ids)
             if not prompt:
-                raise ValueError(f"{item.request_id}: empty prompt")
-            if len(prompt) >= self.limits.max_context_tokens:
-                raise ValueError(f"{item.request_id}: prompt of {len(prompt)} tokens does not fit "
+                raise ValueError(f"{rid}: empty prompt")
+            held = self.verifier.runner.length(rid) if item.continued else 0
+            if held + len(prompt) >= self.limits.max_context_tokens:
+                raise ValueError(f"{rid}: prompt of {held + len(prompt)} tokens does not fit "
                                  f"the context of {self.limits.max_context_tokens}")
             if min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"{item.request_id}: prompt token outside the vocabulary 0..{vocab - 1}")
-            ids.append(item.request_id)
-            prompts.append(prompt)
-            params.append(messages.sampling_from_pb(item.sampling))
-        if len(set(ids)) != len(ids):
-            raise ValueError("a request id appears twice in one prefill")
-        return ids, prompts, params
+                raise ValueError(f"{rid}: prompt token outside the vocabulary 0..{vocab - 1}")
 
     def Verify(self, request, context):
         with self._span("verifier.verify", context) as span:
@@ -132,7 +139,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     context.abort(grpc.StatusCode.NOT_FOUND,
                                   f"requests not held by this verifier: {','.join(missing)}")
                 try:
-                    self._check_chunks(request.prefill)
+                    self._check_prompts(request.prefill)
                     for it in request.prefill:  # a first chunk replaces whatever was held
                         if not it.continued:
                             self._release_locked(it.request_id)
@@ -160,25 +167,6 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                                                 step_seconds=out.step_seconds,
                                                 prefill_results=prefill,
                                                 prefill_tokens=out.prefill_tokens)
-
-    def _check_chunks(self, items) -> None:
-        """Prompt chunks: tokens in the vocabulary, each request once, within the context."""
-        vocab = self.verifier.vocab_size
-        seen = set()
-        for item in items:
-            rid = item.request_id
-            if not rid or rid in seen:
-                raise ValueError(f"prefill chunk without request_id or repeated: {rid!r}")
-            seen.add(rid)
-            chunk = list(item.prompt_ids)
-            if not chunk:
-                raise ValueError(f"{rid}: empty prompt chunk")
-            if min(chunk) < 0 or max(chunk) >= vocab:
-                raise ValueError(f"{rid}: prompt token outside the vocabulary 0..{vocab - 1}")
-            held = self.verifier.runner.length(rid) if item.continued else 0
-            if held + len(chunk) >= self.limits.max_context_tokens:
-                raise ValueError(f"{rid}: prompt of {held + len(chunk)} tokens does not fit "
-                                 f"the context of {self.limits.max_context_tokens}")
 
     def _prefill_chunk(self, item) -> PrefillChunk:
         params = messages.sampling_from_pb(item.sampling)

@@ -249,9 +249,10 @@ class Engine:
             self.prefilling += joining
             self._probe_interval = self.config.probe_interval  # new requests: new evidence soon
 
-    def _plan_chunks(self) -> list[tuple[Request, PrefillChunk]]:
-        """This round's prompt pieces: up to prefill_chunk_tokens, the oldest joiners first."""
-        budget = self.config.prefill_chunk_tokens
+    def _plan_chunks(self, budget: int | None = None) -> list[tuple[Request, PrefillChunk]]:
+        """This round's prompt pieces, the oldest joiners first: up to `budget` prompt tokens
+        (None: prefill_chunk_tokens)."""
+        budget = self.config.prefill_chunk_tokens if budget is None else budget
         planned = []
         for r in self.prefilling:
             if budget == 0:
@@ -289,24 +290,18 @@ class Engine:
         return outputs
 
     def _admit_waiting(self) -> list[StepOutput]:
-        joining = self.waiting[:max(0, self.config.max_running - len(self.running))]
-        if not joining:
+        """Unchunked prefill: the joiners' whole prompts in one prompt-only forward, before the
+        round; a joiner runs from its first token on."""
+        self._join_waiting()
+        planned = self._plan_chunks(budget=sum(len(r.prompt_ids) for r in self.prefilling))
+        if not planned:
             return []
-        self.waiting = self.waiting[len(joining):]
-        self._probe_interval = self.config.probe_interval  # new requests: new evidence soon
+        joining = [r for r, _ in planned]
         start = time.perf_counter()
         out = self.verifier.prefill([r.request_id for r in joining], [r.prompt_ids for r in joining],
                                     [r.sampling for r in joining], [r.generator for r in joining])
         self.stats.prefill_seconds += time.perf_counter() - start
-        outputs = []
-        for r, token, features in zip(joining, out.first_tokens, out.features):
-            r.prefilled = len(r.prompt_ids)
-            if self.speculative:
-                self.drafter.append_context(r.request_id, features,
-                                            torch.arange(len(r.prompt_ids)),
-                                            torch.tensor(r.prompt_ids))
-            self.running.append(r)
-            outputs.append(self._emit(r, [token]))
+        outputs = self._take_chunks(planned, out)
         self._retire_finished()
         return outputs
 

@@ -77,6 +77,8 @@ class DataGenConfig:
     """Where the transformers engine runs ("cuda" on a GPU); the runner always runs on the CPU."""
     time_budget_s: float | None = None
     """Stop starting new work after this many seconds (None: answer every prompt)."""
+    exclude: tuple[Path, ...] = ()
+    """Data files whose prompts are skipped (their ids count as done)."""
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
@@ -285,7 +287,7 @@ def run_generation(config: DataGenConfig) -> dict:
     prompts = select_prompts(config.train_dir, config.num_prompts, config.seed)
     if repair_data_file(config.out):  # a killed run: appending after the cut would hide the rest
         print(f"{config.out}: an earlier run was cut off; kept its complete records", flush=True)
-    done = {r["id"] for r in read_records(config.out)}
+    done = {r["id"] for path in (config.out, *config.exclude) for r in read_records(path)}
     todo = [p for p in prompts if p.id not in done]
     by_id = {p.id: p for p in todo}
     encoded = [(p.id, encode_chat(tokenizer, p.text)) for p in todo]
@@ -366,6 +368,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="stop starting new answers after this many seconds")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="sampling temperature of the answers (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=0.8, help="nucleus mass (1 = off)")
+    parser.add_argument("--top-k", type=int, default=20, help="top-k (0 = off)")
+    parser.add_argument("--exclude", type=Path, action="append", default=[],
+                        help="skip prompts already answered in this data file (repeatable): a "
+                             "second file then adds new prompts, not new answers to old ones")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -383,6 +392,9 @@ def run(args: argparse.Namespace) -> int:
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                            heldout_fraction=args.heldout_fraction, seed=args.seed, dtype=args.dtype,
                            engine=args.engine, device=args.device,
-                           time_budget_s=args.time_budget_s)
+                           time_budget_s=args.time_budget_s,
+                           sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                                   top_k=args.top_k),
+                           exclude=tuple(args.exclude))
     print(json.dumps(run_generation(config)))
     return 0

@@ -212,7 +212,11 @@ class Batch:
 
 
 def read_examples(path: str | Path, split: str | None = "train") -> list[Example]:
-    """Examples with a non-empty answer from a (gzipped) jsonl, keeping only `split` (None = all)."""
+    """Examples with a non-empty answer from a (gzipped) jsonl, keeping only `split` (None = all).
+    `path` may name several files separated by commas: their examples in that order."""
+    if "," in str(path):
+        return [ex for part in str(path).split(",") if part.strip()
+                for ex in read_examples(part.strip(), split)]
     examples = []
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -450,10 +454,17 @@ class Trainer:
         layer_ids = cfg.target_layer_ids or spread_layer_ids(
             int(target_config["num_hidden_layers"]), cfg.num_context_layers)
         self.teacher = TargetTeacher(target, layer_ids)
-        mask_token = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(
-            self.examples, vocab_size)
-        self.draft_ids = (select_draft_vocab(self.examples, vocab_size, cfg.draft_vocab_size)
-                          if cfg.draft_vocab_size is not None else None)
+        # A drafter trained further keeps its mask token and draft vocabulary, whatever the data.
+        source = self._read_source_drafter(cfg.init_from_drafter)
+        mask_token = (cfg.mask_token_id if cfg.mask_token_id is not None
+                      else source.config.mask_token_id if source is not None
+                      else pick_mask_token(self.examples, vocab_size))
+        if cfg.draft_vocab_size is None:
+            self.draft_ids = None
+        elif source is not None and source.config.draft_vocab_size == cfg.draft_vocab_size:
+            self.draft_ids = source.draft_to_target.clone()
+        else:
+            self.draft_ids = select_draft_vocab(self.examples, vocab_size, cfg.draft_vocab_size)
         self.model = build_drafter(cfg, target_config, mask_token, layer_ids).to(self.device)
         if cfg.init_layers_from is not None:
             init_layers_from_target(self.model, target, cfg.init_layers_from)
@@ -467,8 +478,8 @@ class Trainer:
                 t2d)
             with torch.no_grad():  # U_k ~ 0 at first: the drafter starts near the bigram model
                 self.model.norm.weight.mul_(BIGRAM_START_BACKBONE_SCALE)
-        if cfg.init_from_drafter is not None:
-            self._load_drafter_weights(cfg.init_from_drafter)
+        if source is not None:
+            self._load_drafter_weights(source, cfg.init_from_drafter)
         decay, no_decay, gain = [], [], []
         for name, p in self.model.named_parameters():
             (gain if name == "norm.weight" else decay if p.dim() >= 2 else no_decay).append(p)
@@ -489,11 +500,16 @@ class Trainer:
         if cfg.resume and (self.ckpt_dir / "trainer_state.pt").exists():
             self._load_checkpoint()
 
-    def _load_drafter_weights(self, folder: str) -> None:
+    def _read_source_drafter(self, folder: str | None):
+        """The drafter that `init_from_drafter` names, loaded on the CPU (None when unset)."""
+        if folder is None:
+            return None
         from dspark.models.drafter_io import load_drafter
 
-        source = load_drafter(folder, self.teacher.embed_weight.cpu().float(),
-                              self.teacher.lm_head_weight.cpu().float())
+        return load_drafter(folder, self.teacher.embed_weight.cpu().float(),
+                            self.teacher.lm_head_weight.cpu().float())
+
+    def _load_drafter_weights(self, source, folder: str) -> None:
         ids = source.draft_to_target if source.config.draft_vocab_size is not None else None
         if (ids is None) != (self.draft_ids is None) or (
                 ids is not None and not torch.equal(ids.cpu(), self.draft_ids.cpu())):

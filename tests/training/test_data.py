@@ -182,3 +182,39 @@ def test_a_cut_off_file_reads_up_to_the_cut_and_is_repaired(tmp_path):
     plain.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:10])
     assert list(read_records(plain)) == rows[:1]
     assert repair_data_file(plain) is True and plain.read_text() == json.dumps(rows[0]) + "\n"
+
+
+def test_cli_samples_as_told_and_skips_prompts_of_excluded_files(tmp_path, smollm2_dir, capsys):
+    """`dspark data generate --temperature 0 --exclude OLD` on the real target: the excluded file's
+    prompts are not answered again, and the greedy answers are transformers' greedy tokens."""
+    import argparse
+
+    from transformers import AutoModelForCausalLM
+
+    from dspark.training import data
+
+    prompts_dir = tmp_path / "train"
+    prompts_dir.mkdir()
+    write_prompts(prompts_dir, "gsm8k", "math", 6)
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({"id": f"gsm8k-{i}", "prompt_ids": [1], "answer_ids": [2]})
+                           + "\n" for i in (0, 2, 4)))
+    parser = argparse.ArgumentParser()
+    data.configure(parser)
+    out = tmp_path / "new.jsonl"
+    args = parser.parse_args(["generate", "--model-dir", str(smollm2_dir), "--train-dir",
+                              str(prompts_dir), "--out", str(out), "--num-prompts", "6",
+                              "--max-new-tokens", "3", "--batch-size", "4", "--temperature", "0",
+                              "--exclude", str(old)])
+    assert data.run(args) == 0
+    records = list(read_records(out))
+    assert sorted(r["id"] for r in records) == ["gsm8k-1", "gsm8k-3", "gsm8k-5"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["answers"] == 3
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    for r in records:
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([r["prompt_ids"]]), do_sample=False,
+                                      max_new_tokens=3, min_new_tokens=3)[0, -3:].tolist()
+        assert r["answer_ids"] == expected[:len(r["answer_ids"])]
+    with pytest.raises(SystemExit):  # argparse rejects a malformed flag value
+        parser.parse_args(["generate", "--top-k", "many"])

@@ -298,3 +298,42 @@ def test_continue_from_a_saved_drafter(target_dir, data_path, tmp_path):
     with pytest.raises(ValueError, match="not a drafter of this configuration"):
         Trainer(config(target_dir, data_path, tmp_path / "c", num_layers=1, markov_rank=8,
                        init_from_drafter=str(tmp_path / "a")))
+
+
+def test_several_data_files_are_read_in_order(tmp_path):
+    """`data_path` may name several files, comma-separated (an older answer set and a newer one)."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps({"prompt_ids": [1], "answer_ids": [2]}) + "\n")
+    second.write_text(json.dumps({"prompt_ids": [3], "answer_ids": [4]}) + "\n"
+                      + json.dumps({"split": "heldout", "prompt_ids": [5], "answer_ids": [6]}) + "\n")
+    assert [e.prompt_ids for e in read_examples(f"{first},{second}")] == [[1], [3]]
+    assert [e.prompt_ids for e in read_examples(f"{second},{first}", None)] == [[3], [5], [1]]
+    with pytest.raises(FileNotFoundError):
+        read_examples(f"{first},{tmp_path / 'missing.jsonl'}")
+
+
+def test_continuing_on_other_data_keeps_the_draft_vocabulary_and_mask_token(
+        target_dir, data_path, tmp_path):
+    """A drafter trained further on new answers keeps the draft vocabulary and mask token it was
+    trained with, although the new data's most frequent tokens are others."""
+    first = Trainer(config(target_dir, data_path, tmp_path / "a", steps=2, draft_vocab_size=16,
+                           save_dtype="float32"))
+    first.run()
+    other = tmp_path / "other.jsonl"
+    with open(other, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt_ids": [40 + i % 5], "answer_ids": [50 + (i + j) % 14
+                                                                           for j in range(30)]}) + "\n")
+    fresh = Trainer(config(target_dir, str(other), tmp_path / "b", steps=2, draft_vocab_size=16))
+    assert not torch.equal(fresh.draft_ids, first.draft_ids)  # this data alone picks another set
+    assert fresh.model.config.mask_token_id != first.model.config.mask_token_id
+    again = Trainer(config(target_dir, str(other), tmp_path / "c", steps=2, draft_vocab_size=16,
+                           init_from_drafter=str(tmp_path / "a")))
+    assert torch.equal(again.draft_ids, first.draft_ids)
+    assert again.model.config.mask_token_id == first.model.config.mask_token_id
+    saved = first.model.state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in again.model.state_dict().items())
+    again.run()
+    reloaded = load_drafter(tmp_path / "c", again.teacher.embed_weight.float(),
+                            again.teacher.lm_head_weight.float())
+    assert torch.equal(reloaded.draft_to_target, first.draft_ids)

@@ -167,8 +167,8 @@ class Linear(nn.Module):
         """W reordered into oneDNN's blocked layout (see `pack`); None: not packed."""
 
     def pack(self, keep_dense: bool) -> None:
-        """Multiply with a oneDNN-packed copy of W from now on (float32 on a CPU; see
-        `dspark.models.packed_linear` for the measurements). `keep_dense=False` frees the dense
+        """Multiply with a oneDNN-packed copy of W from now on (a CPU, float32 or
+        bf16 where oneDNN supports it; see `dspark.models.packed_linear` for the measurements). `keep_dense=False` frees the dense
         weight; the LM head keeps it, as the embedding and the drafter share it. Packing twice
         is a no-op."""
         if self.packed is not None:
@@ -382,7 +382,7 @@ class Transformer(nn.Module):
         return h, hidden
 
     def pack_linear_weights(self) -> None:
-        """Multiply with oneDNN-packed weights from now on (float32 on a CPU; see `Linear.pack`).
+        """Multiply with oneDNN-packed weights from now on (a CPU; see `Linear.pack`).
         The layers' dense projection weights are freed; the LM head keeps its (shared) weight."""
         for module in self.layers.modules():
             if isinstance(module, Linear):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.packed_linear import (PackedLinear, pack_linears, pack_weight, packed_linear,
-                                         packing_available)
+from dspark.models.packed_linear import (PackedLinear, bf16_packing_supported, pack_linears,
+                                         pack_weight, packed_linear, packing_available)
 
 pytestmark = pytest.mark.skipif(not packing_available("cpu", torch.float32),
                                 reason="this PyTorch has no oneDNN")
@@ -49,6 +49,21 @@ def test_pack_linears_swaps_every_linear_and_keeps_parameters():
     assert pack_linears(model) == 0  # already packed
 
 
-def test_packing_only_for_float32_cpu():
-    assert not packing_available("cpu", torch.bfloat16)
+def test_packing_for_float32_cpu_and_bf16_where_onednn_supports_it():
+    assert packing_available("cpu", torch.bfloat16) == bf16_packing_supported()
+    assert not packing_available("cpu", torch.float16)
     assert not packing_available("meta", torch.float32)
+
+
+@pytest.mark.skipif(not bf16_packing_supported(), reason="oneDNN has no bf16 products on this CPU")
+@pytest.mark.parametrize("rows", [1, 2, 8, 33])
+def test_packed_bf16_linear_matches_an_fp32_product_of_the_same_bf16_numbers(rows):
+    """bf16 in, bf16 out, fp32 accumulation: within one bf16 rounding of the exact product."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=gen).bfloat16()  # [out, in]
+    b = torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    y = packed_linear(x, pack_weight(w), b)
+    assert y.shape == (rows, 96) and y.dtype == torch.bfloat16
+    exact = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), exact, rtol=1e-2, atol=2e-2)

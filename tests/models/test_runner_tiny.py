@@ -13,6 +13,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCa
                           Qwen3ForCausalLM)
 
 from dspark.models.kv_cache import KVCacheFull
+from dspark.models.packed_linear import packing_available
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner, generate_greedy
 from dspark.models.transformer import AttentionImpl
 
@@ -301,14 +302,19 @@ def test_generate_greedy_stops_on_stop_token(tiny):
 
 
 def test_bf16_runner_close_to_fp32_reference(tiny):
-    """bf16 weights (with the CPU float32 upcast for multi-row products, and without it) stay
-    within bf16 rounding of the fp32 reference; the two bf16 paths agree with each other."""
+    """bf16 weights (with the CPU float32 upcast for multi-row products, without it, and packed
+    for oneDNN where this CPU supports bf16) stay within bf16 rounding of the fp32 reference; the
+    bf16 paths agree with each other."""
     model, folder = tiny
     seq = random_tokens(20, 95)
     ref = reference(model, seq)[0]
     outs = []
-    for upcast in (2, None):
-        runner = make_runner(folder, dtype="bfloat16", cpu_upcast_min_rows=upcast)
+    paths = [dict(cpu_upcast_min_rows=2, cpu_packed_weights=False),
+             dict(cpu_upcast_min_rows=None, cpu_packed_weights=False)]
+    if packing_available("cpu", torch.bfloat16):
+        paths.append(dict(cpu_packed_weights=True))
+    for path in paths:
+        runner = make_runner(folder, dtype="bfloat16", **path)
         runner.add_request("a")
         out = runner.forward([ForwardItem("a", seq[:12], logits_from=0)]).logits
         out = torch.cat([out, runner.forward([ForwardItem("a", seq[12:], logits_from=0)]).logits])
@@ -316,4 +322,5 @@ def test_bf16_runner_close_to_fp32_reference(tiny):
         outs.append(out)
         scale = ref.abs().max().item()
         assert (out - ref).abs().max().item() <= 0.02 * scale  # observed <= 0.009 * scale
-    assert (outs[0] - outs[1]).abs().max().item() <= 0.02 * ref.abs().max().item()
+    for other in outs[1:]:
+        assert (outs[0] - other).abs().max().item() <= 0.02 * ref.abs().max().item()

@@ -42,11 +42,13 @@ def tiny_models(work: Path) -> ModelChoice:
                        scheduler_args=("--update-cost-table", "false"))
 
 
-def real_models(model_dir: str = "", drafter_dir: str = "", cost_table: str = "") -> ModelChoice:
+def real_models(model_dir: str = "", drafter_dir: str = "", cost_table: str = "",
+                dtype: str = "float32") -> ModelChoice:
     """SmolLM2 (prepared by `dspark fetch-model`) and the shipped drafter unless named."""
     from dspark.generate import DEFAULT_DRAFTER
 
-    return ModelChoice(model_dir, drafter_dir or str(DEFAULT_DRAFTER), cost_table, "dspark")
+    return ModelChoice(model_dir, drafter_dir or str(DEFAULT_DRAFTER), cost_table, "dspark",
+                       dtype=dtype)
 
 
 @dataclass

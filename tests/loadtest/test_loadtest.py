@@ -152,3 +152,18 @@ def test_sweep_writes_one_row_per_policy_and_level(tmp_path):
         drafted = any("drafted" in k["kind"] for k in level)
         assert drafted == (policy == "async_topk"), level
     assert "### async_topk, 2 users" in (out / "round_kinds.md").read_text()
+
+
+def test_sweep_dtype_reaches_the_real_models_and_is_refused_for_tiny(tmp_path):
+    import argparse
+
+    from loadtest.sweep import choose_models
+
+    args = argparse.Namespace(tiny=False, model_dir="", drafter_dir="", cost_table="",
+                              dtype="bfloat16")
+    assert choose_models(args, tmp_path).dtype == "bfloat16"
+    cmd = [sys.executable, "-m", "dspark.cli", "loadtest", "--tiny", "--dtype", "bfloat16",
+           "--out", str(tmp_path / "sweep")]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "--dtype applies to the real models" in done.stderr

@@ -734,8 +734,9 @@ class FrozenTargetHead(nn.Module):
         return F.linear(hn, self.lm_head_weight).float()
 
     def pack_for_inference(self) -> None:
-        """Multiply with oneDNN-packed weights from now on (a CPU, float32 or
-        bf16 where oneDNN supports it; see `dspark.models.packed_linear`): every nn.Linear, and the (draft-vocabulary) LM head.
+        """Multiply with oneDNN-packed weights from now on (a CPU, float32 or bf16 where oneDNN
+        supports it; see `dspark.models.packed_linear`): every nn.Linear, and the
+        (draft-vocabulary) LM head.
         Inference only; a no-op elsewhere. Call after `set_target_weights`."""
         self._check_ready()
         if not packing_available(self.lm_head_weight.device, self.lm_head_weight.dtype):

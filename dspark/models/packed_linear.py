@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["packing_available", "bf16_packing_supported", "pack_weight", "packed_linear", "PackedLinear", "pack_linears"]
+__all__ = ["packing_available", "bf16_packing_supported", "pack_weight", "packed_linear",
+           "PackedLinear", "pack_linears"]
 
 _LAYOUT_ROWS = 16
 """The blocked layout is chosen for 16-row inputs; it serves 1..64 rows as well as a per-size layout."""

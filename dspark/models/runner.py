@@ -56,10 +56,10 @@ class RunnerConfig:
     on CUDA, and where the weights are packed (a CPU with bf16 support, below)."""
 
     cpu_packed_weights: bool = True
-    """CPU float32, and bf16 where oneDNN supports it (AVX512 and newer): multiply with oneDNN-packed
-    weights (transformer.Linear.pack; float32: measured 1.3x faster at one new token and 1.9-2.3x at
-    2-8 than MKL on a 2-core CPU; bf16 on an AVX512-BF16 CPU: 1.5-2x faster than F.linear, and it
-    avoids the upcast's per-call float32 copy of every weight). False: MKL."""
+    """CPU float32, and bf16 where oneDNN supports it (AVX512 and newer): multiply with
+    oneDNN-packed weights (transformer.Linear.pack). float32: measured 1.3x faster at one new
+    token and 1.9-2.3x at 2-8 than MKL on a 2-core CPU; bf16 on an AVX512-BF16 CPU: 1.5-2x faster
+    than F.linear, and no per-call float32 copy of every weight as with the upcast. False: MKL."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.kv_cache_tokens <= 0 or self.max_tokens_per_pass <= 0:

@@ -167,10 +167,10 @@ class Linear(nn.Module):
         """W reordered into oneDNN's blocked layout (see `pack`); None: not packed."""
 
     def pack(self, keep_dense: bool) -> None:
-        """Multiply with a oneDNN-packed copy of W from now on (a CPU, float32 or
-        bf16 where oneDNN supports it; see `dspark.models.packed_linear` for the measurements). `keep_dense=False` frees the dense
-        weight; the LM head keeps it, as the embedding and the drafter share it. Packing twice
-        is a no-op."""
+        """Multiply with a oneDNN-packed copy of W from now on (a CPU, float32 or bf16 where
+        oneDNN supports it; see `dspark.models.packed_linear` for the measurements).
+        `keep_dense=False` frees the dense weight; the LM head keeps it, as the embedding and the
+        drafter share it. Packing twice is a no-op."""
         if self.packed is not None:
             return
         w = self.weight.t() if self.transposed else self.weight  # [out_features, in_features]

@@ -28,12 +28,23 @@ section 12: profiled tables are staircases, do not smooth them):
   measured range, robust to a flat last bucket), or ``T_last / B_last`` when that slope is not
   positive (e.g. a single measured point, or noise); the slope is always > 0, so SPS keeps falling.
 
-Online update (:meth:`CostTable.observe`): an exponential moving average per point,
-``T[B] <- (1 - w) * lookup(B) + w * measured``, with ``w = CostTableConfig.ema_weight``. A B that is
-not yet in the table is *inserted* as a new measured point initialised at the current estimate
-``lookup(B)`` and moved by the same rule, so the table only ever gains real measurements and never
-attributes a step time measured at one B to another B. The table grows by at most one point per
-distinct batch size served.
+Online update (:meth:`CostTable.observe`): the profile gives the *shape* of the step time in B
+(how much each extra token costs), measured once and kept as measured; serving measures the
+*level* of each request count R. A round of R requests over B tokens costs
+
+    T(R, B) = T_profile(B) + offset(R),
+
+where ``offset(R)`` is an exponential moving average, with weight ``CostTableConfig.ema_weight``,
+of ``measured - T_profile(B)`` over the rounds of R requests (the first measurement replaces
+"never measured"); an R never measured takes the offset of the nearest measured R (the lower one
+on a tie), and 0 before any. Why not refresh each B on its own: the profile spreads B over at most
+a few requests at a short context, while serving many requests costs more per request (attention
+over each request's context, per-request work); a per-B update then raises the B that is served
+every round (R requests, no drafts) and leaves the rarely served larger B at the profile's cheaper
+level, so verifying drafts looked cheaper than decoding at high load (session 12-13: at 16 requests
+the profile said 176 / 245 ms at B = 16 / 32, serving measured 336 / 408 ms). The drafting time is
+learned the same way per R (:meth:`CostTable.observe_draft`), since drafting 16 requests costs more
+than drafting one.
 
 JSON format (written by ``dspark profile``)::
 
@@ -53,6 +64,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+MIN_STEP_FRACTION = 0.1
+"""Floor of a step time with a learned level, as a fraction of the profile's step time there: a
+negative level (serving faster than the profile) never makes a step free or negative where the
+profile is lower than at the B that was served."""
 
 
 class Interpolation(enum.Enum):
@@ -86,8 +103,8 @@ class CostTableConfig:
     interpolation: Interpolation = Interpolation.LINEAR
     """Estimate between measured points (see the module docstring)."""
     ema_weight: float = 0.1
-    """Weight of one new measurement in the online update; 0 freezes the table, 1 keeps only the
-    latest measurement."""
+    """Weight of one new measurement in the online update of a request count's level (the first
+    one is taken whole); 0 freezes the table, 1 keeps only the latest measurement."""
     draft_ema_weight: float = 0.1
     """Weight of one new drafting-time measurement in :meth:`CostTable.observe_draft`."""
 
@@ -109,10 +126,11 @@ def _check_seconds(seconds: float, what: str) -> float:
 
 @dataclass
 class CostTable:
-    """Measured target step times by batch size, with O(1) lookup of SPS(B) for any B >= 1.
+    """Profiled target step times by batch size, plus the levels learned while serving, with O(1)
+    lookup of the step time of a round of R requests over any B >= 1 tokens.
 
-    Lookups are served from a dense cache by B; change the measured points only through
-    :meth:`observe` (which keeps the cache exact), not by editing the lists in place.
+    The profiled points (``batch_tokens``, ``step_seconds``) are never changed by serving (see
+    the module docstring); lookups of them are served from a dense cache by B.
     """
 
     batch_tokens: list[int]
@@ -122,8 +140,15 @@ class CostTable:
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form provenance (model, dtype, device, date) written by ``dspark profile``."""
     draft_seconds: float = 0.0
-    """Seconds of drafting per round; used only by :attr:`ThetaObjective.DISAGGREGATED`."""
+    """Seconds of drafting per round before any is measured for a request count (the profile's
+    value, or 0); :meth:`draft_time` prefers a measured one."""
     config: CostTableConfig = field(default_factory=CostTableConfig)
+    request_offsets: dict[int, float] = field(default_factory=dict)
+    """Serving state, not in the JSON file: seconds added to the profile for a round of R
+    requests, by R (:meth:`observe`)."""
+    draft_seconds_by_requests: dict[int, float] = field(default_factory=dict)
+    """Serving state, not in the JSON file: measured drafting seconds of a round that drafts R
+    requests, by R (:meth:`observe_draft`)."""
 
     def __post_init__(self) -> None:
         xs = [int(b) for b in self.batch_tokens]
@@ -139,9 +164,6 @@ class CostTable:
         if not (math.isfinite(self.draft_seconds) and self.draft_seconds >= 0.0):
             raise ValueError(f"draft_seconds must be finite and >= 0, got {self.draft_seconds}")
         self._dense: np.ndarray | None = None  # [max_batch_tokens + 1] step seconds by B, lazily
-        # Same layout, rounds per second, keyed by (objective, draft_seconds) so that assigning
-        # draft_seconds directly cannot leave a stale cache behind.
-        self._dense_rate: dict[tuple[ThetaObjective, float], np.ndarray] = {}
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -207,102 +229,114 @@ class CostTable:
         return out
 
     def _dense_upto(self, max_b: int) -> np.ndarray:
-        """Cached step seconds for B = 0..max_b (index 0 repeats B = 1); rebuilt on growth/update."""
+        """Cached profile step seconds for B = 0..max_b (index 0 repeats B = 1); grown on demand."""
         if self._dense is None or len(self._dense) <= max_b:
             size = max(max_b + 1, 2 * (len(self._dense) if self._dense is not None else 0), 64)
             b = np.arange(size, dtype=np.int64)
             b[0] = 1
             self._dense = self._estimate(b)  # [size]
-            self._dense_rate = {}
         return self._dense
 
-    def step_time(self, batch_tokens: int | np.ndarray) -> float | np.ndarray:
-        """Estimated seconds of one target step at B tokens (B >= 1; scalar or integer array)."""
+    def step_time(self, batch_tokens: int | np.ndarray,
+                  num_requests: int | None = None) -> float | np.ndarray:
+        """Estimated seconds of one target step at B tokens (B >= 1; scalar or integer array): the
+        profile's, plus the learned level of a round of ``num_requests`` requests when given."""
         b = np.asarray(batch_tokens)
         if b.size and (not np.issubdtype(b.dtype, np.integer) or b.min() < 1):
             raise ValueError("batch_tokens must be integers >= 1")
         max_b = int(b.max()) if b.size else 1
         values = self._dense_upto(max_b)[b]
+        if num_requests is not None:
+            values = np.maximum(values + self.offset(num_requests), MIN_STEP_FRACTION * values)
         return float(values) if values.ndim == 0 else values
 
-    def sps(self, batch_tokens: int | np.ndarray) -> float | np.ndarray:
-        """Target steps per second SPS(B)."""
-        return 1.0 / self.step_time(batch_tokens)
+    def sps(self, batch_tokens: int | np.ndarray,
+            num_requests: int | None = None) -> float | np.ndarray:
+        """Target steps per second SPS(B) (of a round of ``num_requests`` requests when given)."""
+        return 1.0 / self.step_time(batch_tokens, num_requests)
 
     def round_rate(
-        self, batch_tokens: int | np.ndarray, objective: ThetaObjective = ThetaObjective.PAPER
+        self, batch_tokens: int | np.ndarray, objective: ThetaObjective = ThetaObjective.PAPER,
+        num_requests: int | None = None,
     ) -> float | np.ndarray:
-        """Rounds per second at B tokens, so that ``Theta = tau * round_rate(B, objective)``."""
-        step = self.step_time(batch_tokens)
+        """Rounds per second at B tokens, so that ``Theta = tau * round_rate(B, objective)``; with
+        ``num_requests``, the learned level and drafting time of a round of that many requests."""
+        step = self.step_time(batch_tokens, num_requests)
         if objective is ThetaObjective.PAPER:
             return 1.0 / step
         if objective in (ThetaObjective.DISAGGREGATED, ThetaObjective.SHARED_DEVICE):
-            return 1.0 / (self.draft_seconds + step)
+            return 1.0 / (self.draft_time(num_requests) + step)
         raise ValueError(f"unknown objective {objective!r}")
 
     def round_rate_range(
-        self, first_b: int, count: int, objective: ThetaObjective = ThetaObjective.PAPER
+        self, num_requests: int, count: int, objective: ThetaObjective = ThetaObjective.PAPER
     ) -> np.ndarray:
-        """``round_rate(B)`` for B = first_b .. first_b + count - 1: ``[count]`` (a cached view)."""
-        if first_b < 1 or count < 0:
-            raise ValueError(f"need first_b >= 1 and count >= 0, got {first_b}, {count}")
-        dense = self._dense_upto(first_b + count - 1)
-        key = (objective, self.draft_seconds)
-        rate = self._dense_rate.get(key)
-        if rate is None:
-            rate = self.round_rate(np.arange(1, len(dense)), objective)  # [len(dense) - 1]
-            rate = np.concatenate([rate[:1], rate])  # index 0 repeats B = 1, like the step times
-            self._dense_rate[key] = rate
-        return rate[first_b : first_b + count]
+        """Rounds per second of a round of R = ``num_requests`` requests verifying n = 0 ..
+        count - 1 drafts, i.e. B = R .. R + count - 1: ``[count]`` float64."""
+        if num_requests < 1 or count < 0:
+            raise ValueError(f"need num_requests >= 1 and count >= 0, got {num_requests}, {count}")
+        dense = self._dense_upto(num_requests + count - 1)
+        profile = dense[num_requests : num_requests + count]  # [count]
+        step = np.maximum(profile + self.offset(num_requests), MIN_STEP_FRACTION * profile)
+        if objective is ThetaObjective.PAPER:
+            return 1.0 / step
+        if objective in (ThetaObjective.DISAGGREGATED, ThetaObjective.SHARED_DEVICE):
+            return 1.0 / (self.draft_time(num_requests) + step)
+        raise ValueError(f"unknown objective {objective!r}")
 
     # ----------------------------------------------------------------------------- online update
-    def observe(self, batch_tokens: int, seconds: float) -> None:
-        """Fold one step time measured while serving into the table (module docstring: EMA)."""
-        b = int(batch_tokens)
-        if b < 1 or b != batch_tokens:
-            raise ValueError(f"batch_tokens must be an integer >= 1, got {batch_tokens}")
+    def offset(self, num_requests: int) -> float:
+        """Learned seconds added to the profile for a round of R requests (module docstring)."""
+        return _nearest(self.request_offsets, num_requests, 0.0)
+
+    def draft_time(self, num_requests: int | None = None) -> float:
+        """Seconds of drafting a round of R requests: the measurement for the nearest measured R,
+        else :attr:`draft_seconds`."""
+        if num_requests is None:
+            return self.draft_seconds
+        return _nearest(self.draft_seconds_by_requests, num_requests, self.draft_seconds)
+
+    def observe(self, num_requests: int, batch_tokens: int, seconds: float) -> None:
+        """Fold one step time measured while serving (R requests, B tokens) into R's level."""
+        r, b = _check_count(num_requests, "num_requests"), _check_count(batch_tokens, "batch_tokens")
         seconds = _check_seconds(seconds, "seconds")
-        w = self.config.ema_weight
-        new = (1.0 - w) * float(self.step_time(b)) + w * seconds
-        i = bisect.bisect_left(self.batch_tokens, b)
-        if i < len(self.batch_tokens) and self.batch_tokens[i] == b:
-            self.step_seconds[i] = new
-        else:
-            self.batch_tokens.insert(i, b)
-            self.step_seconds.insert(i, new)
-        self._refresh_cache_around(i)
-
-    def _refresh_cache_around(self, i: int) -> None:
-        """Bring the cached lookups up to date after point i changed (serving calls this per step).
-
-        An interior point only changes the estimates between its two neighbours (both interpolation
-        rules), and not the extrapolation slope (which uses the first and last points only), so
-        only that slice of the cache is recomputed; a first or last point rebuilds it all.
-        """
-        xs = self.batch_tokens
-        if self._dense is None or i == 0 or i == len(xs) - 1:
-            self._dense, self._dense_rate = None, {}
+        if self.config.ema_weight == 0.0:  # a frozen table
             return
-        lo, hi = xs[i - 1], min(xs[i + 1], len(self._dense) - 1)
-        if lo > hi:
-            return
-        b = np.arange(lo, hi + 1)  # [hi - lo + 1]
-        self._dense[lo : hi + 1] = self._estimate(b)
-        for (objective, draft_seconds), rate in self._dense_rate.items():
-            step = self._dense[lo : hi + 1]
-            rate[lo : hi + 1] = 1.0 / (step if objective is ThetaObjective.PAPER else draft_seconds + step)
+        residual = seconds - float(self.step_time(b))
+        _ema_update(self.request_offsets, r, residual, self.config.ema_weight)
 
-    def observe_draft(self, seconds: float) -> None:
-        """Fold one measured drafting time per round into :attr:`draft_seconds` (EMA).
-
-        The first measurement replaces a zero (never measured) value outright.
-        """
+    def observe_draft(self, seconds: float, num_requests: int | None = None) -> None:
+        """Fold one measured drafting time into R's (or, without R, :attr:`draft_seconds`) by an
+        EMA with weight ``draft_ema_weight``; the first measurement replaces "never measured"."""
         seconds = float(seconds)
         if not (math.isfinite(seconds) and seconds >= 0.0):
             raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
-        if self.draft_seconds == 0.0:
+        w = self.config.draft_ema_weight
+        if num_requests is not None:
+            _ema_update(self.draft_seconds_by_requests, _check_count(num_requests, "num_requests"),
+                        seconds, w)
+        elif self.draft_seconds == 0.0:
             self.draft_seconds = seconds
         else:
-            w = self.config.draft_ema_weight
             self.draft_seconds = (1.0 - w) * self.draft_seconds + w * seconds
-        self._dense_rate = {}  # keys hold old draft_seconds values: drop them
+
+
+def _check_count(value: int, what: str) -> int:
+    if int(value) != value or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value}")
+    return int(value)
+
+
+def _nearest(values_by_count: dict[int, float], count: int, default: float) -> float:
+    """The value stored for `count`, else for the nearest stored count (the lower on a tie)."""
+    if not values_by_count:
+        return default
+    if count in values_by_count:
+        return values_by_count[count]
+    return values_by_count[min(values_by_count, key=lambda c: (abs(c - count), c))]
+
+
+def _ema_update(values_by_count: dict[int, float], count: int, measured: float, weight: float) -> None:
+    """EMA of `measured` under `count`; the first measurement is stored as it is."""
+    old = values_by_count.get(count)
+    values_by_count[count] = measured if old is None else (1.0 - weight) * old + weight * measured

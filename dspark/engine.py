@@ -330,7 +330,7 @@ class Engine:
         self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
         self.stats.batch_tokens.append(result.batch_tokens)
         if self.config.update_cost_table and not result.prefill_tokens:
-            self.cost_table.observe(result.batch_tokens, result.step_seconds)
+            self.cost_table.observe(len(running), result.batch_tokens, result.step_seconds)
         if self.round_observer is not None and drafting:
             if record.num_accepted is None:  # every running request: its acceptance is known now
                 record.num_accepted = list(result.num_accepted)
@@ -384,7 +384,7 @@ class Engine:
         self.stats.admission_seconds += time.perf_counter() - mid
         if self.config.update_cost_table and sample is None:
             # (a sample's drafting would understate what drafting the whole batch costs)
-            self.cost_table.observe_draft(mid - start)
+            self.cost_table.observe_draft(mid - start, len(running))
         if self.admitter.capacity_used is not None:
             self.stats.capacity.append(self.admitter.capacity_used)
             self._back_off_probes(self.admitter.capacity_used)

@@ -7,7 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from dspark.cost_table import CostTable, CostTableConfig, Interpolation, ThetaObjective
+from dspark.cost_table import (
+    MIN_STEP_FRACTION,
+    CostTable,
+    CostTableConfig,
+    Interpolation,
+    ThetaObjective,
+)
 
 # A staircase like a bucketed engine's: flat inside buckets, a jump after 4 and after 8.
 STAIR = {1: 0.010, 2: 0.010, 4: 0.011, 5: 0.020, 8: 0.021, 9: 0.035, 16: 0.036}
@@ -136,41 +142,67 @@ def test_profile_format_without_optional_fields(tmp_path):
     assert table.step_time(3) == pytest.approx(0.055)
 
 
-def test_observe_moves_a_measured_point_by_the_ema_weight():
+def test_observe_learns_the_level_of_a_request_count_and_keeps_the_profile():
     table = CostTable.from_step_seconds({1: 0.04, 4: 0.06, 8: 0.10}, config=CostTableConfig(ema_weight=0.25))
-    before_neighbour = table.step_time(8)
-    table.observe(4, 0.10)
-    assert table.step_time(4) == pytest.approx(0.75 * 0.06 + 0.25 * 0.10, rel=1e-15)
-    assert table.step_time(8) == before_neighbour
-    assert table.batch_tokens == [1, 4, 8]
-    # the cached lookup between points follows the update
-    assert table.step_time(6) == pytest.approx((table.step_time(4) + 0.10) / 2, rel=1e-12)
+    assert table.offset(4) == 0.0  # nothing measured yet: the profile as it is
+    table.observe(4, 4, 0.10)  # 4 requests, one token each, 40 ms slower than the profile
+    assert table.offset(4) == pytest.approx(0.04, rel=1e-15)  # the first measurement is taken whole
+    assert table.step_time(8, num_requests=4) == pytest.approx(0.14, rel=1e-15)
+    assert table.step_time(6, num_requests=4) == pytest.approx(0.08 + 0.04, rel=1e-12)
+    # the profiled points never move: the shape in B stays as measured
+    assert table.batch_tokens == [1, 4, 8] and table.step_seconds == [0.04, 0.06, 0.10]
+    assert table.step_time(8) == 0.10
+    table.observe(4, 8, 0.10)  # a round that verified 4 drafts, as fast as the profile says
+    assert table.offset(4) == pytest.approx(0.75 * 0.04 + 0.25 * 0.0, rel=1e-15)
 
 
-def test_observe_inserts_a_new_point_at_the_current_estimate_moved_toward_the_measurement():
-    table = CostTable.from_step_seconds({1: 0.04, 8: 0.10}, config=CostTableConfig(ema_weight=0.5))
-    estimate = table.step_time(5)
-    table.observe(5, 0.2)
-    assert table.batch_tokens == [1, 5, 8]
-    assert table.step_time(5) == pytest.approx(0.5 * estimate + 0.5 * 0.2, rel=1e-15)
-    table.observe(20, 0.3)  # past the end: inserted after the last point
-    assert table.batch_tokens == [1, 5, 8, 20]
+def test_an_unmeasured_request_count_takes_the_nearest_measured_level():
+    table = CostTable.from_step_seconds({1: 0.01, 64: 0.05})
+    table.observe(2, 2, 0.03)
+    table.observe(8, 8, 0.02)
+    off2, off8 = table.offset(2), table.offset(8)
+    assert off2 == pytest.approx(0.03 - float(table.step_time(2)), rel=1e-12)
+    assert off8 == pytest.approx(0.02 - float(table.step_time(8)), rel=1e-12)
+    assert [table.offset(r) for r in (1, 3, 5, 6, 7, 100)] == [off2, off2, off2, off8, off8, off8]
 
 
-def test_stale_profile_corrects_itself():
-    # The profile says 10 ms everywhere, the engine really takes 30 ms at B = 16 and 12 ms at B = 2.
+def test_serving_many_requests_keeps_the_marginal_cost_of_drafts():
+    """The session-13 finding: the start-up profile (up to 4 requests, context 64) said 176 / 245 ms
+    at B = 16 / 32, while 16 requests at context 300 cost 336 / 408 ms (fp32, one thread). Rounds
+    of 16 requests mostly verify no drafts (B = 16); the cost of verifying must not look lower
+    than decoding because only B = 16 was measured."""
+    profile = {1: 0.0889, 2: 0.0934, 4: 0.1375, 8: 0.1432, 16: 0.1757, 32: 0.2452}
+    table = CostTable.from_step_seconds(profile)
+    for _ in range(50):
+        table.observe(16, 16, 0.336)
+    steps = table.step_time(np.arange(16, 33), num_requests=16)  # [17]
+    assert (np.diff(steps) > 0).all()
+    assert steps[0] == pytest.approx(0.336, rel=1e-12)
+    assert steps[-1] / steps[0] == pytest.approx(0.408 / 0.336, rel=0.05)
+    # the profile's own points and other request counts' lookups are untouched by what R = 16 saw
+    assert table.step_time(16) == profile[16]
+    assert table.offset(16) == pytest.approx(0.336 - 0.1757, rel=1e-12)
+
+
+def test_a_noisy_first_measurement_fades_by_the_ema_weight():
     table = CostTable.from_step_seconds({1: 0.01, 2: 0.01, 16: 0.01}, config=CostTableConfig(ema_weight=0.2))
+    table.observe(16, 16, 0.06)  # one slow spell first
     errors = []
     for _ in range(40):
-        table.observe(16, 0.03)
-        table.observe(2, 0.012)
-        errors.append(abs(table.step_time(16) - 0.03))
-    assert errors[-1] == pytest.approx(0.02 * 0.8**40, rel=1e-9)
+        table.observe(16, 16, 0.03)
+        errors.append(abs(float(table.step_time(16, num_requests=16)) - 0.03))
+    assert errors[-1] == pytest.approx(0.03 * 0.8**40, rel=1e-9)
     assert all(e1 < e0 for e0, e1 in zip(errors, errors[1:]))
-    assert table.step_time(2) == pytest.approx(0.012, abs=1e-6)
     frozen = CostTable.from_step_seconds({1: 0.01}, config=CostTableConfig(ema_weight=0.0))
-    frozen.observe(1, 1.0)
-    assert frozen.step_time(1) == 0.01
+    frozen.observe(1, 1, 1.0)
+    assert frozen.step_time(1, num_requests=1) == 0.01
+
+
+def test_a_level_never_makes_a_step_free():
+    table = CostTable.from_step_seconds({1: 0.05, 2: 0.01, 4: 0.06})  # a profile with a dip
+    table.observe(1, 1, 0.005)  # serving far faster than the profile at B = 1: offset -0.045
+    assert table.step_time(2, num_requests=1) == pytest.approx(MIN_STEP_FRACTION * 0.01, rel=1e-15)
+    assert (table.round_rate_range(1, 4) > 0).all()
 
 
 def test_observe_draft():
@@ -179,22 +211,39 @@ def test_observe_draft():
     assert table.draft_seconds == 0.004  # the first measurement replaces "never measured"
     table.observe_draft(0.008)
     assert table.draft_seconds == pytest.approx(0.006)
+    # by request count: drafting 16 requests is measured apart from drafting one
+    table.observe_draft(0.05, 16)
+    table.observe_draft(0.07, 16)
+    assert table.draft_time(16) == pytest.approx(0.06)
+    assert table.draft_time(12) == pytest.approx(0.06)  # the nearest measured count
+    assert table.draft_time() == pytest.approx(0.006)
+    # B = 16 on a one-point profile: 0.01 s per token (T_last / B_last)
+    assert table.round_rate_range(16, 1, ThetaObjective.DISAGGREGATED)[0] == pytest.approx(
+        1 / (0.06 + 0.16), rel=1e-12)
     with pytest.raises(ValueError):
-        table.observe(3, -1.0)
+        table.observe(1, 3, -1.0)
+    with pytest.raises(ValueError):
+        table.observe(0, 3, 0.1)
+    with pytest.raises(ValueError):
+        table.observe(2, 1.5, 0.1)
 
 
 @pytest.mark.parametrize("interpolation", list(Interpolation))
-def test_cached_lookup_stays_exact_under_many_updates(interpolation):
+def test_rate_lookups_follow_every_update(interpolation):
     rng = np.random.default_rng(0)
     config = CostTableConfig(interpolation=interpolation, ema_weight=0.3)
     table = CostTable.from_step_seconds(STAIR, config=config, draft_seconds=0.002)
-    bs = np.arange(1, 120)
+    profile = CostTable.from_step_seconds(STAIR, config=config)
     for _ in range(60):
-        table.step_time(bs)  # fill the caches, then update
-        table.round_rate_range(1, 119, ThetaObjective.PAPER)
-        table.round_rate_range(1, 119, ThetaObjective.DISAGGREGATED)
-        table.observe(int(rng.integers(1, 60)), float(rng.uniform(0.005, 0.05)))
-        fresh = CostTable(list(table.batch_tokens), list(table.step_seconds), config=config, draft_seconds=0.002)
-        assert np.array_equal(table.step_time(bs), fresh.step_time(bs))
+        r = int(rng.integers(1, 20))
+        table.round_rate_range(r, 50, ThetaObjective.PAPER)
+        table.observe(r, r + int(rng.integers(0, 30)), float(rng.uniform(0.005, 0.05)))
+        table.observe_draft(float(rng.uniform(0.001, 0.01)), r)
+        bs = np.arange(r, r + 50)
+        plain = profile.step_time(bs)  # [50]
+        step = np.maximum(plain + table.offset(r), MIN_STEP_FRACTION * plain)
+        assert np.allclose(table.step_time(bs, num_requests=r), step, rtol=1e-15, atol=0)
         for objective in ThetaObjective:
-            assert np.array_equal(table.round_rate_range(1, 119, objective), fresh.round_rate_range(1, 119, objective))
+            extra = 0.0 if objective is ThetaObjective.PAPER else table.draft_time(r)
+            assert np.allclose(table.round_rate_range(r, 50, objective), 1.0 / (extra + step),
+                               rtol=1e-15, atol=0)

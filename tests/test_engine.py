@@ -235,7 +235,10 @@ def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, re
                          update_cost_table=True)
     engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=8)
     assert engine.config.objective is ThetaObjective.SHARED_DEVICE
-    assert 0.0 < engine.cost_table.draft_seconds <= engine.stats.draft_seconds
+    # drafting is measured per request count (here one request a round)
+    assert 0.0 < engine.cost_table.draft_time(1) <= engine.stats.draft_seconds
+    assert set(engine.cost_table.draft_seconds_by_requests) == {1}
+    assert set(engine.cost_table.request_offsets) == {1}
 
 
 def test_greedy_and_sampled_requests_share_rounds(tiny_target, reference_greedy):

@@ -29,22 +29,26 @@ section 12: profiled tables are staircases, do not smooth them):
   positive (e.g. a single measured point, or noise); the slope is always > 0, so SPS keeps falling.
 
 Online update (:meth:`CostTable.observe`): the profile gives the *shape* of the step time in B
-(how much each extra token costs), measured once and kept as measured; serving measures the
-*level* of each request count R. A round of R requests over B tokens costs
+(how much each extra token costs), measured once and kept as measured; serving measures how far
+above the profile each request count R runs, as a whole and at each B it served. A round of R
+requests over B tokens costs ``T(R, B) = T_profile(B) + above(R, B)``, where
 
-    T(R, B) = T_profile(B) + offset(R),
+- ``above(R, B)`` for a (R, B) that has been served is an exponential moving average (EMA, weight
+  ``CostTableConfig.ema_weight``) of ``measured - T_profile(B)`` over those rounds, started at the
+  estimate that stood before its first measurement (as a new point of the old per-B table was);
+- ``above(R, B)`` for a B that R has not served is R's *level* ``offset(R)``: the same EMA over
+  every round of R requests, whatever its B (the first one taken whole); an R never served takes
+  the level of the nearest served R (the lower on a tie), and 0 before any.
 
-where ``offset(R)`` is an exponential moving average, with weight ``CostTableConfig.ema_weight``,
-of ``measured - T_profile(B)`` over the rounds of R requests (the first measurement replaces
-"never measured"); an R never measured takes the offset of the nearest measured R (the lower one
-on a tie), and 0 before any. Why not refresh each B on its own: the profile spreads B over at most
-a few requests at a short context, while serving many requests costs more per request (attention
-over each request's context, per-request work); a per-B update then raises the B that is served
-every round (R requests, no drafts) and leaves the rarely served larger B at the profile's cheaper
-level, so verifying drafts looked cheaper than decoding at high load (session 12-13: at 16 requests
-the profile said 176 / 245 ms at B = 16 / 32, serving measured 336 / 408 ms). The drafting time is
-learned the same way per R (:meth:`CostTable.observe_draft`), since drafting 16 requests costs more
-than drafting one.
+So a round that was served costs what it was measured to cost (in the EMA's sense), and one
+that was not costs the profile's step at its B, lifted to the level measured for its R. Why not
+refresh each B on its own, as before: the profile spreads B over at most a few requests at a
+short context, while many requests cost more per round (attention over each request's context,
+per-request work); a per-B update raised the B that is served every round (R requests, no drafts)
+and left the rarely served larger B at the profile's cheaper level, so verifying drafts looked
+cheaper than decoding at high load (session 13, fp32, one thread: the profile said 176 / 245 ms
+at B = 16 / 32, 16 requests at context 300 cost 336 / 408 ms). The drafting time is learned per
+R as well (:meth:`CostTable.observe_draft`): drafting 16 requests costs more than drafting one.
 
 JSON format (written by ``dspark profile``)::
 
@@ -146,6 +150,9 @@ class CostTable:
     request_offsets: dict[int, float] = field(default_factory=dict)
     """Serving state, not in the JSON file: seconds added to the profile for a round of R
     requests, by R (:meth:`observe`)."""
+    served_offsets: dict[int, dict[int, float]] = field(default_factory=dict)
+    """Serving state, not in the JSON file: seconds above the profile for a round of exactly R
+    requests and B tokens that has been served, as ``{R: {B: seconds}}`` (:meth:`observe`)."""
     draft_seconds_by_requests: dict[int, float] = field(default_factory=dict)
     """Serving state, not in the JSON file: measured drafting seconds of a round that drafts R
     requests, by R (:meth:`observe_draft`)."""
@@ -247,7 +254,9 @@ class CostTable:
         max_b = int(b.max()) if b.size else 1
         values = self._dense_upto(max_b)[b]
         if num_requests is not None:
-            values = np.maximum(values + self.offset(num_requests), MIN_STEP_FRACTION * values)
+            level, by_b = self.offset(num_requests), self.served_offsets.get(num_requests, {})
+            above = np.array([by_b.get(int(x), level) for x in b.flat]).reshape(b.shape)
+            values = np.maximum(values + above, MIN_STEP_FRACTION * values)
         return float(values) if values.ndim == 0 else values
 
     def sps(self, batch_tokens: int | np.ndarray,
@@ -277,7 +286,11 @@ class CostTable:
             raise ValueError(f"need num_requests >= 1 and count >= 0, got {num_requests}, {count}")
         dense = self._dense_upto(num_requests + count - 1)
         profile = dense[num_requests : num_requests + count]  # [count]
-        step = np.maximum(profile + self.offset(num_requests), MIN_STEP_FRACTION * profile)
+        step = profile + self.offset(num_requests)  # [count]
+        for b, above in self.served_offsets.get(num_requests, {}).items():
+            if num_requests <= b < num_requests + count:
+                step[b - num_requests] = profile[b - num_requests] + above
+        step = np.maximum(step, MIN_STEP_FRACTION * profile)
         if objective is ThetaObjective.PAPER:
             return 1.0 / step
         if objective in (ThetaObjective.DISAGGREGATED, ThetaObjective.SHARED_DEVICE):
@@ -286,7 +299,8 @@ class CostTable:
 
     # ----------------------------------------------------------------------------- online update
     def offset(self, num_requests: int) -> float:
-        """Learned seconds added to the profile for a round of R requests (module docstring)."""
+        """Learned seconds above the profile of a round of R requests at a B it has not served
+        (module docstring)."""
         return _nearest(self.request_offsets, num_requests, 0.0)
 
     def draft_time(self, num_requests: int | None = None) -> float:
@@ -297,13 +311,21 @@ class CostTable:
         return _nearest(self.draft_seconds_by_requests, num_requests, self.draft_seconds)
 
     def observe(self, num_requests: int, batch_tokens: int, seconds: float) -> None:
-        """Fold one step time measured while serving (R requests, B tokens) into R's level."""
+        """Fold one step time measured while serving (R requests, B tokens) into R's level and
+        its point at B (module docstring)."""
         r, b = _check_count(num_requests, "num_requests"), _check_count(batch_tokens, "batch_tokens")
         seconds = _check_seconds(seconds, "seconds")
         if self.config.ema_weight == 0.0:  # a frozen table
             return
-        residual = seconds - float(self.step_time(b))
-        _ema_update(self.request_offsets, r, residual, self.config.ema_weight)
+        w = self.config.ema_weight
+        above = seconds - float(self.step_time(b))
+        served = self.served_offsets.setdefault(r, {})
+        if r not in self.request_offsets:  # R's first round: its level and point, taken whole
+            self.request_offsets[r] = served[b] = above
+            return
+        estimate = served.get(b, self.request_offsets[r])
+        served[b] = (1.0 - w) * estimate + w * above
+        self.request_offsets[r] = (1.0 - w) * self.request_offsets[r] + w * above
 
     def observe_draft(self, seconds: float, num_requests: int | None = None) -> None:
         """Fold one measured drafting time into R's (or, without R, :attr:`draft_seconds`) by an

@@ -154,6 +154,25 @@ def test_observe_learns_the_level_of_a_request_count_and_keeps_the_profile():
     assert table.step_time(8) == 0.10
     table.observe(4, 8, 0.10)  # a round that verified 4 drafts, as fast as the profile says
     assert table.offset(4) == pytest.approx(0.75 * 0.04 + 0.25 * 0.0, rel=1e-15)
+    # B = 8 is a served point now: it starts at the estimate that stood (the level) and moves
+    assert table.step_time(8, num_requests=4) == pytest.approx(0.10 + 0.03, rel=1e-12)
+    assert table.step_time(4, num_requests=4) == pytest.approx(0.10, rel=1e-12)  # its own point
+    assert table.step_time(6, num_requests=4) == pytest.approx(0.08 + 0.03, rel=1e-12)  # the level
+
+
+def test_served_points_of_one_request_correct_the_profiles_shape():
+    """The profile spreads B = 4 over 4 requests; one request with 3 drafts costs less (session 13:
+    profile 89 / 138 ms at B = 1 / 4, one request at context 300 107 / 141 ms). Served points
+    converge to what they cost, so a single stream is not charged for requests it does not have."""
+    table = CostTable.from_step_seconds({1: 0.089, 4: 0.1375, 8: 0.1432})
+    for _ in range(100):
+        table.observe(1, 1, 0.107)
+        table.observe(1, 4, 0.141)
+    assert table.step_time(1, num_requests=1) == pytest.approx(0.107, rel=1e-3)
+    assert table.step_time(4, num_requests=1) == pytest.approx(0.141, rel=1e-3)
+    level = table.offset(1)
+    assert 0.141 - 0.1375 < level < 0.107 - 0.089  # between the two served points' offsets
+    assert table.step_time(8, num_requests=1) == pytest.approx(0.1432 + level, rel=1e-12)
 
 
 def test_an_unmeasured_request_count_takes_the_nearest_measured_level():
@@ -241,7 +260,9 @@ def test_rate_lookups_follow_every_update(interpolation):
         table.observe_draft(float(rng.uniform(0.001, 0.01)), r)
         bs = np.arange(r, r + 50)
         plain = profile.step_time(bs)  # [50]
-        step = np.maximum(plain + table.offset(r), MIN_STEP_FRACTION * plain)
+        served = table.served_offsets.get(r, {})
+        above = np.array([served[b] if b in served else table.offset(r) for b in bs.tolist()])
+        step = np.maximum(plain + above, MIN_STEP_FRACTION * plain)
         assert np.allclose(table.step_time(bs, num_requests=r), step, rtol=1e-15, atol=0)
         for objective in ThetaObjective:
             extra = 0.0 if objective is ThetaObjective.PAPER else table.draft_time(r)

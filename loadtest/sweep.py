@@ -225,6 +225,17 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"loadtest: bad policy {p!r}: {e}", file=sys.stderr)
             return 2
+    from loadtest.prompts import DEFAULT_EVAL_DIR, load_first_turns
+
+    # The Locust users read these in their on_start; a missing set would only show there, as a
+    # level where no response completed.
+    eval_dir = Path(os.environ.get("DSPARK_EVAL_DIR", DEFAULT_EVAL_DIR))
+    sets = tuple(s.strip() for s in args.eval_sets.split(",") if s.strip())
+    try:
+        load_first_turns(eval_dir, sets, args.prompt_chars)
+    except FileNotFoundError as e:
+        print(f"loadtest: {e} (--eval-sets, or DSPARK_EVAL_DIR for another folder)", file=sys.stderr)
+        return 2
     out = Path(args.out or REPO_ROOT / "runs" / time.strftime("loadtest-%Y%m%d-%H%M%S"))
     (out / "locust").mkdir(parents=True, exist_ok=True)
     models = choose_models(args, out)

@@ -167,3 +167,12 @@ def test_sweep_dtype_reaches_the_real_models_and_is_refused_for_tiny(tmp_path):
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "--dtype applies to the real models" in done.stderr
+
+
+def test_sweep_refuses_missing_eval_prompts_before_starting_anything(tmp_path):
+    cmd = [sys.executable, "-m", "dspark.cli", "loadtest", "--tiny", "--eval-sets", "no_such_set",
+           "--out", str(tmp_path / "sweep")]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "no_such_set.jsonl" in done.stderr, done.stderr
+    assert not (tmp_path / "sweep").exists()

@@ -321,12 +321,10 @@ class Engine:
         if drafting:
             blocks, lengths, record = self._draft_and_admit(running, gamma)
 
-        verify_start = time.perf_counter()
         result = self.verifier.verify(
             [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator)
              for r, block, n in zip(running, blocks, lengths)],
             [c for _, c in planned])
-        verify_wall = time.perf_counter() - verify_start
         self.stats.rounds += 1
         # A forward that also read prompt chunks: its time is split by tokens between the
         # stages, and it is no sample of SPS(B) for the cost table.
@@ -335,8 +333,7 @@ class Engine:
         self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
         self.stats.batch_tokens.append(result.batch_tokens)
         if self.config.update_cost_table and not result.prefill_tokens:
-            charged = self._charged(result.step_seconds, verify_wall)
-            self.cost_table.observe(len(running), result.batch_tokens, charged)
+            self.cost_table.observe(len(running), result.batch_tokens, result.step_seconds)
         if self.round_observer is not None and drafting:
             if record.num_accepted is None:  # every running request: its acceptance is known now
                 record.num_accepted = list(result.num_accepted)
@@ -386,9 +383,8 @@ class Engine:
             blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
             record = RoundRecord([r.request_id for r in drafted], confidences,
                                  [0] * len(drafted), [0] * len(drafted))
-        end = time.perf_counter()
         self.stats.draft_seconds += mid - start
-        self.stats.admission_seconds += end - mid
+        self.stats.admission_seconds += time.perf_counter() - mid
         drafted_ids = [r.request_id for r in running] if sample is None else None
         if self.config.update_cost_table and drafted_ids is not None \
                 and drafted_ids == self._last_drafted_ids:
@@ -397,20 +393,12 @@ class Engine:
             # skipped rounds, a probe's sample or a join also pays for the context of the rounds
             # before; charging that to every draft would make a skip look like it pays for
             # itself. (A probe's sample would also understate drafting the whole batch.)
-            self.cost_table.observe_draft(self._charged(mid - start, end - start), len(running))
+            self.cost_table.observe_draft(mid - start, len(running))
         self._last_drafted_ids = drafted_ids
         if self.admitter.capacity_used is not None:
             self.stats.capacity.append(self.admitter.capacity_used)
             self._back_off_probes(self.admitter.capacity_used)
         return blocks, lengths, record
-
-    def _charged(self, compute_seconds: float, wall_seconds: float) -> float:
-        """What the cost table learns of a stage. Under SHARED_DEVICE, stages take turns, so a
-        round pays each one's whole wall time: the verify call with its transport and rejection
-        sampling, the drafter call with the admission. Otherwise (drafting overlapped, e.g. by
-        cohorts) a call's wall time also holds its wait behind the other cohort's work, so only
-        the target forward and the drafter call count."""
-        return wall_seconds if self.config.objective is ThetaObjective.SHARED_DEVICE else compute_seconds
 
     def _positions_to_draft(self, gamma: int) -> int:
         """Positions per block worth drafting this round. With `async_topk` and a known K, no

@@ -313,7 +313,8 @@ class CostTable:
     def observe(self, num_requests: int, batch_tokens: int, seconds: float) -> None:
         """Fold one step time measured while serving (R requests, B tokens) into R's level and
         its point at B (module docstring)."""
-        r, b = _check_count(num_requests, "num_requests"), _check_count(batch_tokens, "batch_tokens")
+        r = _check_count(num_requests, "num_requests")
+        b = _check_count(batch_tokens, "batch_tokens")
         seconds = _check_seconds(seconds, "seconds")
         if self.config.ema_weight == 0.0:  # a frozen table
             return
@@ -358,7 +359,8 @@ def _nearest(values_by_count: dict[int, float], count: int, default: float) -> f
     return values_by_count[min(values_by_count, key=lambda c: (abs(c - count), c))]
 
 
-def _ema_update(values_by_count: dict[int, float], count: int, measured: float, weight: float) -> None:
+def _ema_update(values_by_count: dict[int, float], count: int, measured: float,
+                weight: float) -> None:
     """EMA of `measured` under `count`; the first measurement is stored as it is."""
     old = values_by_count.get(count)
     values_by_count[count] = measured if old is None else (1.0 - weight) * old + weight * measured

@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         load_first_turns(eval_dir, sets, args.prompt_chars)
     except FileNotFoundError as e:
-        print(f"loadtest: {e} (--eval-sets, or DSPARK_EVAL_DIR for another folder)", file=sys.stderr)
+        print(f"loadtest: {e} (--eval-sets, or DSPARK_EVAL_DIR for another folder)",
+              file=sys.stderr)
         return 2
     out = Path(args.out or REPO_ROOT / "runs" / time.strftime("loadtest-%Y%m%d-%H%M%S"))
     (out / "locust").mkdir(parents=True, exist_ok=True)

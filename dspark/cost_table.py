@@ -59,7 +59,6 @@ JSON format (written by ``dspark profile``)::
 
 from __future__ import annotations
 
-import bisect
 import enum
 import json
 import math
@@ -254,10 +253,24 @@ class CostTable:
         max_b = int(b.max()) if b.size else 1
         values = self._dense_upto(max_b)[b]
         if num_requests is not None:
-            level, by_b = self.offset(num_requests), self.served_offsets.get(num_requests, {})
-            above = np.array([by_b.get(int(x), level) for x in b.flat]).reshape(b.shape)
-            values = np.maximum(values + above, MIN_STEP_FRACTION * values)
+            values = self._lift(values, b, num_requests)
         return float(values) if values.ndim == 0 else values
+
+    def _lift(self, profile: np.ndarray, b: np.ndarray, num_requests: int) -> np.ndarray:
+        """Profile step seconds at batch sizes ``b`` (same shape) lifted to what R requests were
+        measured to cost: each served (R, B) point, else R's level; floored (MIN_STEP_FRACTION)."""
+        level, served = self.offset(num_requests), self.served_offsets.get(num_requests, {})
+        above = np.array([served.get(int(x), level) for x in b.flat]).reshape(b.shape)
+        return np.maximum(profile + above, MIN_STEP_FRACTION * profile)
+
+    def _rate(self, step: float | np.ndarray, objective: ThetaObjective,
+              num_requests: int | None) -> float | np.ndarray:
+        """Rounds per second of rounds whose target step takes `step` seconds."""
+        if objective is ThetaObjective.PAPER:
+            return 1.0 / step
+        if objective in (ThetaObjective.DISAGGREGATED, ThetaObjective.SHARED_DEVICE):
+            return 1.0 / (self.draft_time(num_requests) + step)
+        raise ValueError(f"unknown objective {objective!r}")
 
     def sps(self, batch_tokens: int | np.ndarray,
             num_requests: int | None = None) -> float | np.ndarray:
@@ -270,12 +283,7 @@ class CostTable:
     ) -> float | np.ndarray:
         """Rounds per second at B tokens, so that ``Theta = tau * round_rate(B, objective)``; with
         ``num_requests``, the learned level and drafting time of a round of that many requests."""
-        step = self.step_time(batch_tokens, num_requests)
-        if objective is ThetaObjective.PAPER:
-            return 1.0 / step
-        if objective in (ThetaObjective.DISAGGREGATED, ThetaObjective.SHARED_DEVICE):
-            return 1.0 / (self.draft_time(num_requests) + step)
-        raise ValueError(f"unknown objective {objective!r}")
+        return self._rate(self.step_time(batch_tokens, num_requests), objective, num_requests)
 
     def round_rate_range(
         self, num_requests: int, count: int, objective: ThetaObjective = ThetaObjective.PAPER
@@ -284,18 +292,9 @@ class CostTable:
         count - 1 drafts, i.e. B = R .. R + count - 1: ``[count]`` float64."""
         if num_requests < 1 or count < 0:
             raise ValueError(f"need num_requests >= 1 and count >= 0, got {num_requests}, {count}")
-        dense = self._dense_upto(num_requests + count - 1)
-        profile = dense[num_requests : num_requests + count]  # [count]
-        step = profile + self.offset(num_requests)  # [count]
-        for b, above in self.served_offsets.get(num_requests, {}).items():
-            if num_requests <= b < num_requests + count:
-                step[b - num_requests] = profile[b - num_requests] + above
-        step = np.maximum(step, MIN_STEP_FRACTION * profile)
-        if objective is ThetaObjective.PAPER:
-            return 1.0 / step
-        if objective in (ThetaObjective.DISAGGREGATED, ThetaObjective.SHARED_DEVICE):
-            return 1.0 / (self.draft_time(num_requests) + step)
-        raise ValueError(f"unknown objective {objective!r}")
+        b = np.arange(num_requests, num_requests + count)  # [count]
+        profile = self._dense_upto(num_requests + count - 1)[b]  # [count]
+        return self._rate(self._lift(profile, b, num_requests), objective, num_requests)
 
     # ----------------------------------------------------------------------------- online update
     def offset(self, num_requests: int) -> float:

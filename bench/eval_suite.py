@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dspark.evaluation.loading import parse_methods
+
 EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 SETS = ("gsm8k", "math500", "humaneval", "mt-bench")
 
@@ -69,7 +71,11 @@ def main() -> int:
 
     per_set = {name: run_eval(args.eval_dir / f"{name}.jsonl", args)
                for name in args.sets.split(",")}
-    methods = [m for m in args.methods.split(",") if all(m in r for r in per_set.values())]
+    # canonical names (dspark-markov -> dspark), as the JSON of `dspark eval` keys them
+    requested = parse_methods(args.methods)
+    methods = [m for m in requested if all(m in r for r in per_set.values())]
+    if not methods:
+        raise SystemExit(f"eval_suite: no eval set has results for {', '.join(requested)}")
     gamma = max(len(per_set[s][m]["accept_per_position"]) for s in per_set for m in methods)
 
     print(f"Macro-average over {', '.join(per_set)} ({args.limit} prompts each, temperature "

@@ -55,9 +55,10 @@ class EngineConfig:
     device, drafting costs the round time; this keeps a weak drafter from slowing decoding."""
     max_probe_interval: int = 64
     """A probe that again leads to K = 0 doubles the interval, up to this many rounds; a round
-    that verifies drafts, or a request joining the batch, brings it back to `probe_interval`.
-    Under load that no draft can pay for, probes then cost a few tenths of a percent instead
-    of a few percent (a probe drafts for every running request). = probe_interval: no backoff."""
+    that verifies drafts, or fewer requests in the engine than at any such probe since (a
+    lighter load), brings it back to `probe_interval`; a request joining does not. Under load
+    that no draft can pay for, probes then cost a few tenths of a percent instead of a few
+    percent (a probe drafts for every running request). = probe_interval: no backoff."""
 
     prefill_chunk_tokens: int = 256
     """Chunked prefill: joining requests' prompts are read in the same target forward as the
@@ -201,6 +202,9 @@ class Engine:
         self._last_drafted_ids: list | None = None
         self._probe_interval = config.probe_interval
         """Rounds between probes now: probe_interval, doubled after each fruitless probe."""
+        self._fruitless_load: int | None = None
+        """The lightest load (`_load()`) of a drafting round that found nothing to verify since
+        the probe interval was last reset (None: none since)."""
         self._probe_cursor = 0
         """Where in the running batch the next sampled probe starts (round-robin)."""
         self.round_observer: Callable[[RoundRecord], None] | None = None
@@ -249,7 +253,6 @@ class Engine:
         if joining:
             self.waiting = self.waiting[len(joining):]
             self.prefilling += joining
-            self._probe_interval = self.config.probe_interval  # new requests: new evidence soon
 
     def _plan_chunks(self, budget: int | None = None) -> list[tuple[Request, PrefillChunk]]:
         """This round's prompt pieces, the oldest joiners first: up to `budget` prompt tokens
@@ -309,6 +312,7 @@ class Engine:
 
     def _round(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
         running = list(self.running)
+        self._reset_probes_if_load_fell()
         gamma = self.drafter.gamma if self.speculative else 0
         drafting = self.speculative and not self._skip_drafting()
         if self.speculative and not drafting:
@@ -428,13 +432,30 @@ class Engine:
 
     def _back_off_probes(self, capacity_used: int) -> None:
         """After a drafting round: a probe (K was 0, so it verified nothing) doubles the probe
-        interval, up to max_probe_interval; a round that could verify drafts resets it. Only
-        past rounds' K decide, never this round's drafts."""
+        interval, up to max_probe_interval, and remembers the load it found that at; a round
+        that could verify drafts resets it. Only past rounds' K decide, never this round's
+        drafts."""
         base = self.config.probe_interval
         if capacity_used > 0 or base == 0:
-            self._probe_interval = base
+            self._probe_interval, self._fruitless_load = base, None
         else:
             self._probe_interval = min(2 * self._probe_interval, self.config.max_probe_interval)
+            self._fruitless_load = min(self._load(), self._fruitless_load or self._load())
+
+    def _load(self) -> int:
+        """Requests in the engine: waiting, reading their prompts or running."""
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    def _reset_probes_if_load_fell(self) -> None:
+        """A lighter load than at any fruitless probe since the last reset, where drafts may
+        pay again: probe soon (the interval goes back to probe_interval). The load counts every
+        request in the engine, so a request that finishes while the next one waits or reads
+        its prompt leaves it as it was, and a join only makes it heavier; K that was 0 at a load
+        as a rule stays 0 at a heavier one (a verified token costs more the fuller the batch,
+        and drafting costs more with more requests). Before, every join reset the interval, and
+        under steady load one joins every few rounds, so the probes never backed off."""
+        if self._fruitless_load is not None and self._load() < self._fruitless_load:
+            self._probe_interval, self._fruitless_load = self.config.probe_interval, None
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _record_metrics(self, r: Request, verified: int, accepted: int, gamma: int) -> None:

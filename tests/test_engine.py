@@ -130,11 +130,11 @@ def test_async_topk_skips_drafting_when_capacity_is_zero(tiny_target, reference_
     assert done[0].output_ids == reference_greedy[0] and engine.stats.skipped_draft_rounds == 0
 
 
-def test_async_topk_probes_back_off_and_a_join_resets_them(tiny_target, reference_greedy):
+def test_async_topk_probes_back_off_and_a_join_does_not_reset_them(tiny_target, reference_greedy):
     """Under a cost table where no draft pays, every drafting round that verifies nothing doubles
     the gap to the next probe (2 -> 4 -> 8, capped at 8). The two warm-up rounds (K from the
-    prior, 0 here) are such rounds, so the probes come every 8 rounds after them; a request
-    joining brings the gap back to 2, and it doubles again from there. Output stays exact."""
+    prior, 0 here) are such rounds, so the probes come every 8 rounds after them. A request
+    joining (a heavier load, where drafts pay even less) leaves the gap at 8. Output stays exact."""
     steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
     # (prompts read in a forward of their own: a prompt chunk in a round would make drafts pay)
     engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=2,
@@ -150,10 +150,35 @@ def test_async_topk_probes_back_off_and_a_join_resets_them(tiny_target, referenc
     requests["b"] = engine.waiting[-1]
     while engine.has_unfinished():
         engine.step()
-    assert drafted_at == [1, 2, 10, 18, 20, 24, 32]  # "b" joined in round 19
+    assert drafted_at == [1, 2, 10, 18, 26, 34]  # "b" joined in round 19: still every 8th
     assert max(engine.stats.capacity) == 0  # no round could verify a draft
     assert requests["a"].output_ids == reference_greedy[0] + requests["a"].output_ids[24:]
     assert requests["b"].output_ids == reference_greedy[1][:20]
+
+
+def test_async_topk_probes_soon_again_when_the_load_falls(tiny_target, reference_greedy):
+    """Two requests, no draft pays: the probes back off to every 8th round. When one request
+    finishes, fewer requests run than at any fruitless probe, so the next probe comes within
+    `probe_interval` (2) rounds, and the backoff starts again from there."""
+    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=2,
+                         max_probe_interval=8, prefill_chunk_tokens=0)
+    drafted = []  # (round, running requests) of each drafting round
+    engine.round_observer = lambda record: drafted.append((engine.stats.rounds,
+                                                           len(record.request_ids)))
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=40, request_id="a")
+    engine.add_request(PROMPTS[1], SamplingParams(temperature=0), max_tokens=19, request_id="b")
+    requests = {r.request_id: r for r in engine.waiting}
+    while engine.has_unfinished():
+        engine.step()
+    # "b" emits its 19th token in round 18 (the prefill forward gave its first), so from round
+    # 19 on one request is left: the probe due at round 26 comes at round 20 instead, and the
+    # gaps double again after it (4, 8).
+    assert drafted == [(1, 2), (2, 2), (10, 2), (18, 2), (20, 1), (24, 1), (32, 1)]
+    assert max(engine.stats.capacity) == 0
+    assert len(requests["a"].output_ids) == 40
+    assert requests["a"].output_ids[:24] == reference_greedy[0]  # the reference's 24 tokens
+    assert requests["b"].output_ids == reference_greedy[1][:19]
 
 
 def test_async_topk_probes_draft_a_sample_of_the_batch_in_turn(tiny_target, reference_greedy):

@@ -56,9 +56,10 @@ class EngineConfig:
     max_probe_interval: int = 64
     """A probe that again leads to K = 0 doubles the interval, up to this many rounds; a round
     that verifies drafts, or fewer requests in the engine than at any such probe since (a
-    lighter load), brings it back to `probe_interval`; a request joining does not. Under load
-    that no draft can pay for, probes then cost a few tenths of a percent instead of a few
-    percent (a probe drafts for every running request). = probe_interval: no backoff."""
+    lighter load, down to an empty engine), brings it back to `probe_interval`; a request
+    joining does not. Under load that no draft can pay for, probes then cost a few tenths of a
+    percent instead of a few percent (a probe drafts for every running request).
+    = probe_interval: no backoff."""
 
     prefill_chunk_tokens: int = 256
     """Chunked prefill: joining requests' prompts are read in the same target forward as the
@@ -229,6 +230,7 @@ class Engine:
             for r in [r for r in held if r.request_id == request_id]:
                 self._release(r)
                 held.remove(r)
+        self._reset_probes_if_idle()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -489,6 +491,14 @@ class Engine:
         for r in [r for r in self.running if r.finished]:
             self._release(r)
             self.running.remove(r)
+        self._reset_probes_if_idle()
+
+    def _reset_probes_if_idle(self) -> None:
+        """An engine left with no request has the lightest load there is: the next request
+        starts with the probe interval at probe_interval, as on a fresh engine. (A round never
+        sees this load, so `_reset_probes_if_load_fell` in the round cannot.)"""
+        if not self._load():
+            self._reset_probes_if_load_fell()
 
     def _release(self, r: Request) -> None:
         self.verifier.release(r.request_id)

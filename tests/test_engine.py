@@ -159,14 +159,15 @@ def test_async_topk_probes_back_off_and_a_join_does_not_reset_them(tiny_target, 
 def test_async_topk_probes_soon_again_when_the_load_falls(tiny_target, reference_greedy):
     """Two requests, no draft pays: the probes back off to every 8th round. When one request
     finishes, fewer requests run than at any fruitless probe, so the next probe comes within
-    `probe_interval` (2) rounds, and the backoff starts again from there."""
+    `probe_interval` (2) rounds, and the backoff starts again from there. An engine left empty
+    resets it as well."""
     steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
     engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=2,
                          max_probe_interval=8, prefill_chunk_tokens=0)
     drafted = []  # (round, running requests) of each drafting round
     engine.round_observer = lambda record: drafted.append((engine.stats.rounds,
                                                            len(record.request_ids)))
-    engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=40, request_id="a")
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=36, request_id="a")
     engine.add_request(PROMPTS[1], SamplingParams(temperature=0), max_tokens=19, request_id="b")
     requests = {r.request_id: r for r in engine.waiting}
     while engine.has_unfinished():
@@ -176,9 +177,15 @@ def test_async_topk_probes_soon_again_when_the_load_falls(tiny_target, reference
     # gaps double again after it (4, 8).
     assert drafted == [(1, 2), (2, 2), (10, 2), (18, 2), (20, 1), (24, 1), (32, 1)]
     assert max(engine.stats.capacity) == 0
-    assert len(requests["a"].output_ids) == 40
+    assert len(requests["a"].output_ids) == 36
     assert requests["a"].output_ids[:24] == reference_greedy[0]  # the reference's 24 tokens
     assert requests["b"].output_ids == reference_greedy[1][:19]
+    # "a" ended in round 35 with the gap at 8 (next probe due at round 40). An engine left
+    # empty is the lightest load, so the next request is drafted in its first round (36) and
+    # the gaps double from 2 again (next: 40, then 48, past its 11 rounds).
+    done = engine.generate([PROMPTS[2]], SamplingParams(temperature=0), max_tokens=12)
+    assert done[0].output_ids == reference_greedy[2][:12]
+    assert drafted[7:] == [(36, 1), (40, 1)]
 
 
 def test_async_topk_probes_draft_a_sample_of_the_batch_in_turn(tiny_target, reference_greedy):

@@ -55,11 +55,11 @@ class EngineConfig:
     device, drafting costs the round time; this keeps a weak drafter from slowing decoding."""
     max_probe_interval: int = 64
     """A probe that again leads to K = 0 doubles the interval, up to this many rounds; a round
-    that verifies drafts, or fewer requests in the engine than at any such probe since (a
-    lighter load, down to an empty engine), brings it back to `probe_interval`; a request
-    joining does not. Under load that no draft can pay for, probes then cost a few tenths of a
-    percent instead of a few percent (a probe drafts for every running request).
-    = probe_interval: no backoff."""
+    that verifies drafts, or at most half as many requests in the engine as at any such probe
+    since (a much lighter load, down to an empty engine), brings it back to `probe_interval`;
+    a request joining, or one finishing before the next arrives, does not. Under load that no
+    draft can pay for, probes then cost a few tenths of a percent instead of a few percent (a
+    probe drafts for every running request). = probe_interval: no backoff."""
 
     prefill_chunk_tokens: int = 256
     """Chunked prefill: joining requests' prompts are read in the same target forward as the
@@ -449,14 +449,17 @@ class Engine:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     def _reset_probes_if_load_fell(self) -> None:
-        """A lighter load than at any fruitless probe since the last reset, where drafts may
+        """At most half the load of any fruitless probe since the last reset, where drafts may
         pay again: probe soon (the interval goes back to probe_interval). The load counts every
         request in the engine, so a request that finishes while the next one waits or reads
         its prompt leaves it as it was, and a join only makes it heavier; K that was 0 at a load
         as a rule stays 0 at a heavier one (a verified token costs more the fuller the batch,
-        and drafting costs more with more requests). Before, every join reset the interval, and
-        under steady load one joins every few rounds, so the probes never backed off."""
-        if self._fruitless_load is not None and self._load() < self._fruitless_load:
+        and drafting costs more with more requests). Half, not any fall: under steady load a
+        round often starts between one user's last token and its next request (16 -> 15 in the
+        engine), and resetting there kept the probes 12-28 rounds apart at 16 users (session
+        15). A smaller fall needs no probe to raise K: a skipped round hands on the K of the
+        running means at its own request count (Admitter.skip)."""
+        if self._fruitless_load is not None and 2 * self._load() <= self._fruitless_load:
             self._probe_interval, self._fruitless_load = self.config.probe_interval, None
 
     # -- bookkeeping -------------------------------------------------------------------------

@@ -188,6 +188,36 @@ def test_async_topk_probes_soon_again_when_the_load_falls(tiny_target, reference
     assert drafted[7:] == [(36, 1), (40, 1)]
 
 
+def test_async_topk_probes_stay_backed_off_when_the_load_dips_a_little(tiny_target,
+                                                                      reference_greedy):
+    """Four requests, no draft pays. A fall in load resets the probe backoff only at half the
+    lightest load of a fruitless probe since: 4 -> 3 and 3 -> 2 requests do not (the probes stay
+    8 rounds apart), 2 -> 1 does. Under steady load a round often starts between one request's
+    end and the next one's arrival, and a reset there kept the probes from backing off."""
+    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    engine = make_engine(tiny_target[0], "async_topk", max_running=4, table=steep, probe_interval=2,
+                         max_probe_interval=8, prefill_chunk_tokens=0, probe_requests=0)
+    drafted = []  # (round, running requests) of each drafting round
+    engine.round_observer = lambda record: drafted.append((engine.stats.rounds,
+                                                           len(record.request_ids)))
+    max_tokens = dict(zip("abcd", (36, 30, 9, 17)))
+    for prompt, rid in zip(PROMPTS, "abcd"):
+        engine.add_request(prompt, SamplingParams(temperature=0), max_tokens=max_tokens[rid],
+                           request_id=rid)
+    requests = {r.request_id: r for r in engine.waiting}
+    while engine.has_unfinished():
+        engine.step()
+    # Warm-up rounds 1-2 (each fruitless: the gap doubles to 8). "c" ends in round 8 and "d" in
+    # round 16: 3 and then 2 requests, against the lightest fruitless load of 4 and then 3, are
+    # no reset, so the probes come at 10, 18, 26. "b" ends in round 29: 1 request is half the
+    # lightest fruitless load (2, at round 18), so the probe comes at once (30), then 4 later.
+    assert drafted == [(1, 4), (2, 4), (10, 3), (18, 2), (26, 2), (30, 1), (34, 1)]
+    assert max(engine.stats.capacity) == 0
+    for rid, i in zip("abcd", range(4)):
+        n = min(max_tokens[rid], 24)
+        assert requests[rid].output_ids[:n] == reference_greedy[i][:n]
+
+
 def test_async_topk_probes_draft_a_sample_of_the_batch_in_turn(tiny_target, reference_greedy):
     """With K known to be 0, a probe drafts only `probe_requests` of the running requests, the
     next ones in turn; the two warm-up rounds (K unknown) draft the whole batch. The admission

@@ -12,7 +12,8 @@ the absolute numbers are lower than a stack alone; the ratio is the measurement.
 The stacks are started once and warmed up; each repeat is one concurrent pair of Locust runs.
 Prints a table (per repeat: each policy's aggregate tokens/s, the ratio of the first policy's to
 the second's, and the first one's mean verification length and share of engine time spent
-drafting) and the median and geometric-mean ratio, and writes `paired.csv` to --out. Usage:
+drafting), the median and geometric-mean ratio, and one JSON line; writes `paired.csv` to
+--out. Usage:
 
     .venv/bin/python bench/loadtest_paired.py [--policies async_topk,none] [--users 16]
         [--duration-s 60] [--repeats 3] [--max-tokens 64] [--tiny] [--out DIR]
@@ -21,6 +22,7 @@ drafting) and the median and geometric-mean ratio, and writes `paired.csv` to --
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -125,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
     write_csv(out / "paired.csv", rows)
     print(format_table(rows, first, second))
+    ratios = [r["ratio_a_over_b"] for r in rows]
+    print(json.dumps({"policies": [first, second], "users": args.users[0],
+                      "duration_s": args.duration_s, "ratios": [round(x, 4) for x in ratios],
+                      "median_ratio": round(statistics.median(ratios), 4)}))
     return 0
 
 

@@ -132,8 +132,6 @@ class Request:
     finished: bool = False
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    drafted: bool = False
-    """Whether the drafter has drafted it (and so absorbed its prompt)."""
 
     @property
     def anchor_position(self) -> int:
@@ -390,20 +388,17 @@ class Engine:
                                  [0] * len(drafted), [0] * len(drafted))
         self.stats.draft_seconds += mid - start
         self.stats.admission_seconds += time.perf_counter() - mid
-        if self.config.update_cost_table and sample is None \
-                and all(r.drafted for r in running):
-            # A round that drafts the whole batch is a sample of what drafting costs, also the
-            # first after skipped rounds: the drafter absorbs context lazily (at the next draft),
-            # so that one also pays for the context of the rounds before, and under a load where
-            # drafting comes and goes, that is what drafting costs. (Session 15: counting only
-            # steady rounds, two drafting rounds in a row with the same requests, missed it and
-            # kept K above 0 at 16 users where drafts lost.) Not a request's first draft: it
-            # absorbs the whole prompt, once in the request's life, and charging that to the
-            # round's drafting cut one user's speed-up from 1.06x to 0.99x of `none` (same
-            # session). Nor a probe's sample: it drafts fewer requests than the round has.
+        if self.config.update_cost_table and sample is None:
+            # Every round that drafts the whole batch is a sample of what drafting costs, also
+            # the first after skipped rounds or a join: the drafter absorbs context lazily (at
+            # the next draft), so that one also pays for the context of the rounds before, and
+            # under a load where drafting comes and goes, that is what drafting costs. (Session
+            # 15: counting only steady rounds, two drafting rounds in a row with the same
+            # requests, missed it and kept K above 0 at 16 users where drafts lost.) The table
+            # keeps the median of the last few, so a one-off such as a request's first draft
+            # (its whole prompt) does not count. A probe's sample is no sample: it drafts fewer
+            # requests than the round has.
             self.cost_table.observe_draft(mid - start, len(running))
-        for r in drafted:
-            r.drafted = True
         if self.admitter.capacity_used is not None:
             self.stats.capacity.append(self.admitter.capacity_used)
             self._back_off_probes(self.admitter.capacity_used)

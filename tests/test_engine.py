@@ -306,8 +306,7 @@ def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, re
 def test_every_round_that_drafts_the_batch_is_a_drafting_sample(tiny_target, reference_greedy):
     """Drafting is measured in every round that drafts every running request, also the first
     after skipped rounds (whose draft absorbs their context): that is what drafting costs when it
-    comes and goes. Not a round with a request's first draft (it absorbs the whole prompt, once
-    in the request's life), nor a probe's sample of the batch (fewer requests than R)."""
+    comes and goes. Not a probe's sample of the batch (fewer requests than R)."""
     for num_prompts, probe_requests in ((1, 4), (3, 1)):
         steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
         engine = make_engine(tiny_target[0], "async_topk", max_running=num_prompts, table=steep,
@@ -323,7 +322,7 @@ def test_every_round_that_drafts_the_batch_is_a_drafting_sample(tiny_target, ref
         done = engine.generate(PROMPTS[:num_prompts], SamplingParams(temperature=0), max_tokens=20)
         assert [r.output_ids for r in done] == [ref[:20] for ref in reference_greedy[:num_prompts]]
         full = [d for d in drafted if d[1] == num_prompts]
-        assert [n for _, n in measured] == [num_prompts] * (len(full) - 1)  # not round 1
+        assert [n for _, n in measured] == [num_prompts] * len(full)
         assert all(seconds > 0 for seconds, _ in measured)
         if probe_requests >= num_prompts:  # probes draft the whole batch after skipped rounds
             assert [r for r, _ in full] == [1, 2, 6, 10, 14, 18]

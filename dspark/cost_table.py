@@ -62,8 +62,6 @@ from __future__ import annotations
 import enum
 import json
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,11 +109,7 @@ class CostTableConfig:
     """Weight of one new measurement in the online update of a request count's level (the first
     one is taken whole); 0 freezes the table, 1 keeps only the latest measurement."""
     draft_ema_weight: float = 0.1
-    """Weight of one new drafting-time measurement in :meth:`CostTable.observe_draft` without a
-    request count (the table-wide :attr:`CostTable.draft_seconds`)."""
-    draft_window: int = 9
-    """A request count's drafting time is the median of its last this many measurements
-    (:meth:`CostTable.observe_draft`)."""
+    """Weight of one new drafting-time measurement in :meth:`CostTable.observe_draft`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.interpolation, Interpolation):
@@ -124,8 +118,6 @@ class CostTableConfig:
             w = getattr(self, name)
             if not (0.0 <= w <= 1.0):
                 raise ValueError(f"{name} must lie in [0, 1], got {w}")
-        if self.draft_window < 1:
-            raise ValueError(f"draft_window must be >= 1, got {self.draft_window}")
 
 
 def _check_seconds(seconds: float, what: str) -> float:
@@ -162,9 +154,7 @@ class CostTable:
     requests and B tokens that has been served, as ``{R: {B: seconds}}`` (:meth:`observe`)."""
     draft_seconds_by_requests: dict[int, float] = field(default_factory=dict)
     """Serving state, not in the JSON file: measured drafting seconds of a round that drafts R
-    requests, by R: the median of ``draft_samples_by_requests[R]`` (:meth:`observe_draft`)."""
-    draft_samples_by_requests: dict[int, deque] = field(default_factory=dict)
-    """Serving state: the last ``draft_window`` drafting times measured for R requests, by R."""
+    requests, by R (:meth:`observe_draft`)."""
 
     def __post_init__(self) -> None:
         xs = [int(b) for b in self.batch_tokens]
@@ -338,23 +328,15 @@ class CostTable:
         self.request_offsets[r] = (1.0 - w) * self.request_offsets[r] + w * above
 
     def observe_draft(self, seconds: float, num_requests: int | None = None) -> None:
-        """Fold one measured drafting time into R's: R's drafting time is the median of its last
-        ``draft_window`` measurements, so a cost that recurs (the context absorbed by the first
-        draft after skipped rounds, under a load where drafting comes and goes) moves it, and a
-        one-off (a request's first draft, which absorbs its prompt once) does not. An EMA kept
-        such a one-off for many rounds, and since drafting is only measured while it goes on,
-        for good once it stopped drafting. Without R: :attr:`draft_seconds`, by an EMA with
-        weight ``draft_ema_weight`` (the first measurement replaces "never measured")."""
+        """Fold one measured drafting time into R's (or, without R, :attr:`draft_seconds`) by an
+        EMA with weight ``draft_ema_weight``; the first measurement replaces "never measured"."""
         seconds = float(seconds)
         if not (math.isfinite(seconds) and seconds >= 0.0):
             raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
         w = self.config.draft_ema_weight
         if num_requests is not None:
-            r = _check_count(num_requests, "num_requests")
-            samples = self.draft_samples_by_requests.setdefault(
-                r, deque(maxlen=self.config.draft_window))
-            samples.append(seconds)
-            self.draft_seconds_by_requests[r] = statistics.median(samples)
+            _ema_update(self.draft_seconds_by_requests, _check_count(num_requests, "num_requests"),
+                        seconds, w)
         elif self.draft_seconds == 0.0:
             self.draft_seconds = seconds
         else:
@@ -374,3 +356,10 @@ def _nearest(values_by_count: dict[int, float], count: int, default: float) -> f
     if count in values_by_count:
         return values_by_count[count]
     return values_by_count[min(values_by_count, key=lambda c: (abs(c - count), c))]
+
+
+def _ema_update(values_by_count: dict[int, float], count: int, measured: float,
+                weight: float) -> None:
+    """EMA of `measured` under `count`; the first measurement is stored as it is."""
+    old = values_by_count.get(count)
+    values_by_count[count] = measured if old is None else (1.0 - weight) * old + weight * measured

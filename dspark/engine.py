@@ -199,6 +199,8 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._rounds_without_draft = 0
+        # the requests the previous round drafted (all of them), or None: see _draft_and_admit
+        self._last_drafted_ids: list | None = None
         self._probe_interval = config.probe_interval
         """Rounds between probes now: probe_interval, doubled after each fruitless probe."""
         self._fruitless_load: int | None = None
@@ -318,6 +320,7 @@ class Engine:
         if self.speculative and not drafting:
             self.admitter.skip(len(running), gamma)
             self._rounds_without_draft += 1
+            self._last_drafted_ids = None
             self.stats.skipped_draft_rounds += 1
             self.stats.capacity.append(0)
         blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
@@ -388,17 +391,16 @@ class Engine:
                                  [0] * len(drafted), [0] * len(drafted))
         self.stats.draft_seconds += mid - start
         self.stats.admission_seconds += time.perf_counter() - mid
-        if self.config.update_cost_table and sample is None:
-            # Every round that drafts the whole batch is a sample of what drafting costs, also
-            # the first after skipped rounds or a join: the drafter absorbs context lazily (at
-            # the next draft), so that one also pays for the context of the rounds before, and
-            # under a load where drafting comes and goes, that is what drafting costs. (Session
-            # 15: counting only steady rounds, two drafting rounds in a row with the same
-            # requests, missed it and kept K above 0 at 16 users where drafts lost.) The table
-            # keeps the median of the last few, so a one-off such as a request's first draft
-            # (its whole prompt) does not count. A probe's sample is no sample: it drafts fewer
-            # requests than the round has.
+        drafted_ids = [r.request_id for r in running] if sample is None else None
+        if self.config.update_cost_table and drafted_ids is not None \
+                and drafted_ids == self._last_drafted_ids:
+            # Only a steady round's drafting is a sample of what drafting costs a round: the
+            # drafter absorbs context lazily (at the next draft), so the first draft after
+            # skipped rounds, a probe's sample or a join also pays for the context of the rounds
+            # before; charging that to every draft would make a skip look like it pays for
+            # itself. (A probe's sample would also understate drafting the whole batch.)
             self.cost_table.observe_draft(mid - start, len(running))
+        self._last_drafted_ids = drafted_ids
         if self.admitter.capacity_used is not None:
             self.stats.capacity.append(self.admitter.capacity_used)
             self._back_off_probes(self.admitter.capacity_used)

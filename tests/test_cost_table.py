@@ -236,17 +236,6 @@ def test_observe_draft():
     assert table.draft_time(16) == pytest.approx(0.06)
     assert table.draft_time(12) == pytest.approx(0.06)  # the nearest measured count
     assert table.draft_time() == pytest.approx(0.006)
-    # R's drafting time is the median of its last draft_window (9) measurements: a one-off
-    # (a request's first draft absorbs its prompt) does not move it, a cost that recurs does
-    for seconds in [0.02] * 8 + [0.2]:
-        table.observe_draft(seconds, 4)
-    assert table.draft_time(4) == 0.02
-    for seconds in [0.2] * 4:
-        table.observe_draft(seconds, 4)
-    assert table.draft_time(4) == 0.2  # 5 of the last 9
-    assert list(table.draft_samples_by_requests[4]) == [0.02] * 4 + [0.2] * 5
-    with pytest.raises(ValueError, match="draft_window"):
-        CostTableConfig(draft_window=0)
     # B = 16 on a one-point profile: 0.01 s per token (T_last / B_last)
     assert table.round_rate_range(16, 1, ThetaObjective.DISAGGREGATED)[0] == pytest.approx(
         1 / (0.06 + 0.16), rel=1e-12)

@@ -303,33 +303,6 @@ def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, re
     assert set(engine.cost_table.request_offsets) == {1}
 
 
-def test_every_round_that_drafts_the_batch_is_a_drafting_sample(tiny_target, reference_greedy):
-    """Drafting is measured in every round that drafts every running request, also the first
-    after skipped rounds (whose draft absorbs their context): that is what drafting costs when it
-    comes and goes. Not a probe's sample of the batch (fewer requests than R)."""
-    for num_prompts, probe_requests in ((1, 4), (3, 1)):
-        steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
-        engine = make_engine(tiny_target[0], "async_topk", max_running=num_prompts, table=steep,
-                             probe_interval=2, max_probe_interval=4, update_cost_table=True,
-                             probe_requests=probe_requests)
-        measured = []  # (seconds, requests) of every drafting sample
-        observe = engine.cost_table.observe_draft
-        engine.cost_table.observe_draft = lambda seconds, n=None: (measured.append((seconds, n)),
-                                                                   observe(seconds, n))
-        drafted = []  # (round, requests drafted)
-        engine.round_observer = lambda record: drafted.append((engine.stats.rounds,
-                                                               len(record.request_ids)))
-        done = engine.generate(PROMPTS[:num_prompts], SamplingParams(temperature=0), max_tokens=20)
-        assert [r.output_ids for r in done] == [ref[:20] for ref in reference_greedy[:num_prompts]]
-        full = [d for d in drafted if d[1] == num_prompts]
-        assert [n for _, n in measured] == [num_prompts] * len(full)
-        assert all(seconds > 0 for seconds, _ in measured)
-        if probe_requests >= num_prompts:  # probes draft the whole batch after skipped rounds
-            assert [r for r, _ in full] == [1, 2, 6, 10, 14, 18]
-        else:  # the probes drafted a sample, and were not measured
-            assert [r for r, _ in full] == [1, 2] and engine.stats.sampled_probe_rounds == 4
-
-
 def test_greedy_and_sampled_requests_share_rounds(tiny_target, reference_greedy):
     """Greedy blocks come sparse (k = 1) and plain sampled ones dense: one round verifies both."""
     engine = make_engine(tiny_target[0], "fixed:4")

@@ -324,13 +324,22 @@ class Engine:
             self.stats.skipped_draft_rounds += 1
             self.stats.capacity.append(0)
         blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
+        draft_start = time.perf_counter()
         if drafting:
-            blocks, lengths, record = self._draft_and_admit(running, gamma)
+            blocks, lengths, record, steady = self._draft_and_admit(running, gamma)
+        verify_start = time.perf_counter()
+        if drafting and steady and self.config.update_cost_table:
+            # Drafting as the round pays for it: the drafter's call and the admission after it.
+            self.cost_table.observe_draft(verify_start - draft_start, len(running))
 
         result = self.verifier.verify(
             [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator)
              for r, block, n in zip(running, blocks, lengths)],
             [c for _, c in planned])
+        # The step as the round pays for it: with a remote verifier the call's (de)serialising
+        # and transfers too, which grow with the drafts sent and accepted (features), not only
+        # the forward the verifier reports in result.step_seconds.
+        verify_seconds = time.perf_counter() - verify_start
         self.stats.rounds += 1
         # A forward that also read prompt chunks: its time is split by tokens between the
         # stages, and it is no sample of SPS(B) for the cost table.
@@ -339,7 +348,7 @@ class Engine:
         self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
         self.stats.batch_tokens.append(result.batch_tokens)
         if self.config.update_cost_table and not result.prefill_tokens:
-            self.cost_table.observe(len(running), result.batch_tokens, result.step_seconds)
+            self.cost_table.observe(len(running), result.batch_tokens, verify_seconds)
         if self.round_observer is not None and drafting:
             if record.num_accepted is None:  # every running request: its acceptance is known now
                 record.num_accepted = list(result.num_accepted)
@@ -360,10 +369,11 @@ class Engine:
         return outputs
 
     def _draft_and_admit(self, running: list[Request], gamma: int
-                         ) -> tuple[list, np.ndarray, RoundRecord]:
+                         ) -> tuple[list, np.ndarray, RoundRecord, bool]:
         """Draft (every running request, or a probe's sample) and decide l_r: the blocks
-        [R] (None where not drafted), lengths [R], and the round's record (num_accepted None
-        until verified, zeros for a sample, which verifies nothing)."""
+        [R] (None where not drafted), lengths [R], the round's record (num_accepted None
+        until verified, zeros for a sample, which verifies nothing), and whether this round's
+        drafting time is a sample of what drafting a round costs (`steady`, below)."""
         self._rounds_without_draft = 0
         sample = self._probe_sample(len(running))
         drafted = running if sample is None else [running[i] for i in sample]
@@ -392,19 +402,17 @@ class Engine:
         self.stats.draft_seconds += mid - start
         self.stats.admission_seconds += time.perf_counter() - mid
         drafted_ids = [r.request_id for r in running] if sample is None else None
-        if self.config.update_cost_table and drafted_ids is not None \
-                and drafted_ids == self._last_drafted_ids:
-            # Only a steady round's drafting is a sample of what drafting costs a round: the
-            # drafter absorbs context lazily (at the next draft), so the first draft after
-            # skipped rounds, a probe's sample or a join also pays for the context of the rounds
-            # before; charging that to every draft would make a skip look like it pays for
-            # itself. (A probe's sample would also understate drafting the whole batch.)
-            self.cost_table.observe_draft(mid - start, len(running))
+        # Only a steady round's drafting is a sample of what drafting costs a round: the
+        # drafter absorbs context lazily (at the next draft), so the first draft after skipped
+        # rounds, a probe's sample or a join also pays for the context of the rounds before;
+        # charging that to every draft would make a skip look like it pays for itself. (A
+        # probe's sample would also understate drafting the whole batch.)
+        steady = drafted_ids is not None and drafted_ids == self._last_drafted_ids
         self._last_drafted_ids = drafted_ids
         if self.admitter.capacity_used is not None:
             self.stats.capacity.append(self.admitter.capacity_used)
             self._back_off_probes(self.admitter.capacity_used)
-        return blocks, lengths, record
+        return blocks, lengths, record, steady
 
     def _positions_to_draft(self, gamma: int) -> int:
         """Positions per block worth drafting this round. With `async_topk` and a known K, no

@@ -41,20 +41,7 @@ requests over B tokens costs ``T(R, B) = T_profile(B) + above(R, B)``, where
   the level of the nearest served R (the lower on a tie), and 0 before any.
 
 So a round that was served costs what it was measured to cost (in the EMA's sense), and one
-that was not costs the profile's step at its B, lifted to the level measured for its R.
-
-A served point also follows the machine's drift while other points of its R are served: each
-measurement's residual (measured minus its point's estimate) moves the point by
-``ema_weight * residual`` and R's other served points by ``ema_weight * drift_share *
-residual`` (:attr:`CostTableConfig.drift_share`). The policies serve one B at a time for spells,
-and a 2-core machine's speed drifts 10-20% from minute to minute; a point kept as it was last
-measured would judge the option not taken (verify drafts, or not) at a stale speed while the
-option taken tracks the machine (session 16, bf16, 16 requests: after a spell of drafting, the
-round without drafts was priced at 126-141 ms while such rounds took 80-145, about 110 typically).
-Serving one point cannot tell a drift from a change of that point's own cost, so the others
-follow only that share of it; and with ``drift_share`` < 1 the points still learn their
-differences (at rate ``ema_weight * (1 - drift_share)``): alternating between two points, each
-converges to what it costs (the residuals' fixed point is 0 at both). Why not
+that was not costs the profile's step at its B, lifted to the level measured for its R. Why not
 refresh each B on its own, as before: the profile spreads B over at most a few requests at a
 short context, while many requests cost more per round (attention over each request's context,
 per-request work); a per-B update raised the B that is served every round (R requests, no drafts)
@@ -123,15 +110,10 @@ class CostTableConfig:
     one is taken whole); 0 freezes the table, 1 keeps only the latest measurement."""
     draft_ema_weight: float = 0.1
     """Weight of one new drafting-time measurement in :meth:`CostTable.observe_draft`."""
-    drift_share: float = 0.75
-    """Share of a served point's update passed on to the other served points of its request
-    count (module docstring); 0: each point moves only when it is served."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.interpolation, Interpolation):
             object.__setattr__(self, "interpolation", Interpolation(self.interpolation))
-        if not (0.0 <= self.drift_share < 1.0):
-            raise ValueError(f"drift_share must lie in [0, 1), got {self.drift_share}")
         for name in ("ema_weight", "draft_ema_weight"):
             w = getattr(self, name)
             if not (0.0 <= w <= 1.0):
@@ -342,12 +324,7 @@ class CostTable:
             self.request_offsets[r] = served[b] = above
             return
         estimate = served.get(b, self.request_offsets[r])
-        residual = above - estimate
-        drift = w * self.config.drift_share * residual
-        for other in served:  # the machine's drift, for R's points not served this round
-            if other != b:
-                served[other] += drift
-        served[b] = estimate + w * residual
+        served[b] = (1.0 - w) * estimate + w * above
         self.request_offsets[r] = (1.0 - w) * self.request_offsets[r] + w * above
 
     def observe_draft(self, seconds: float, num_requests: int | None = None) -> None:

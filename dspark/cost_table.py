@@ -30,24 +30,32 @@ section 12: profiled tables are staircases, do not smooth them):
 
 Online update (:meth:`CostTable.observe`): the profile gives the *shape* of the step time in B
 (how much each extra token costs), measured once and kept as measured; serving measures how far
-above the profile each request count R runs, as a whole and at each B it served. A round of R
-requests over B tokens costs ``T(R, B) = T_profile(B) + above(R, B)``, where
+above the profile each request count R runs, and how that changes with the drafts a round
+verifies. A round of R requests over B tokens costs ``T(R, B) = T_profile(B) + above(R, n)``
+with ``n = B - R`` drafts, where
 
-- ``above(R, B)`` for a (R, B) that has been served is an exponential moving average (EMA, weight
-  ``CostTableConfig.ema_weight``) of ``measured - T_profile(B)`` over those rounds, started at the
-  estimate that stood before its first measurement (as a new point of the old per-B table was);
-- ``above(R, B)`` for a B that R has not served is R's *level* ``offset(R)``: the same EMA over
-  every round of R requests, whatever its B (the first one taken whole); an R never served takes
-  the level of the nearest served R (the lower on a tie), and 0 before any.
+- ``above(R, n) = level(R) + slope(R) * n`` is a straight line fitted to R's rounds by
+  exponentially weighted least squares (:class:`LevelFit`): each round's ``measured -
+  T_profile(B)`` enters with weight ``CostTableConfig.ema_weight`` and every earlier one fades
+  by ``1 - ema_weight`` (the first taken whole, so with one n served the level is that EMA);
+  the slope is ridge-shrunk toward 0 (:data:`SLOPE_RIDGE`), so it stays 0 until R has served
+  different n;
+- outside the n that R has served, the line is held flat at its last served end: a slope
+  fitted over 0-3 drafts is not trusted at 30;
+- an R never served takes the fit of the nearest served R (the lower on a tie), and 0 before any.
 
-So a round that was served costs what it was measured to cost (in the EMA's sense), and one
-that was not costs the profile's step at its B, lifted to the level measured for its R. Why not
-refresh each B on its own, as before: the profile spreads B over at most a few requests at a
-short context, while many requests cost more per round (attention over each request's context,
-per-request work); a per-B update raised the B that is served every round (R requests, no drafts)
-and left the rarely served larger B at the profile's cheaper level, so verifying drafts looked
-cheaper than decoding at high load (session 13, fp32, one thread: the profile said 176 / 245 ms
-at B = 16 / 32, 16 requests at context 300 cost 336 / 408 ms). The drafting time is learned per
+Why not refresh each B on its own (before session 13): the profile spreads B over at most a few
+requests at a short context, while many requests cost more per round (attention over each
+request's context, per-request work); a per-B update raised the B that is served every round (R
+requests, no drafts) and left the rarely served larger B at the profile's cheaper level, so
+verifying drafts looked cheaper than decoding at high load (session 13, fp32, one thread: the
+profile said 176 / 245 ms at B = 16 / 32, 16 requests at context 300 cost 336 / 408 ms). Why a
+line in n, not a point per served (R, B) (sessions 13-15): rounds that verify drafts seldom
+verify the same number twice (at 16 requests, B ran 40-52 in one minute), so each point had a
+few samples, started at R's level (mostly rounds without drafts) and moved 10% a sample; the
+admission judged drafts at about that level while they cost more (session 16, bf16: 158-175 ms
+estimated for 46 tokens, 180-236 measured). One line per R pools every round's evidence on
+what a draft costs. The drafting time is learned per
 R as well (:meth:`CostTable.observe_draft`): drafting 16 requests costs more than drafting one.
 
 JSON format (written by ``dspark profile``)::
@@ -68,6 +76,11 @@ from typing import Any
 
 import numpy as np
 
+
+SLOPE_RIDGE = 0.01
+"""Ridge on a :class:`LevelFit` slope, in squared drafts: the slope is shrunk by
+``var(n) / (var(n) + SLOPE_RIDGE)`` where ``var(n)`` is the weighted variance of the served n,
+so it is 0 while one n is served and unbiased (to 1% at a variance of 1) once several are."""
 
 MIN_STEP_FRACTION = 0.1
 """Floor of a step time with a learned level, as a fraction of the profile's step time there: a
@@ -120,6 +133,47 @@ class CostTableConfig:
                 raise ValueError(f"{name} must lie in [0, 1], got {w}")
 
 
+@dataclass
+class LevelFit:
+    """Exponentially weighted least-squares line ``above = level + slope * n`` over one request
+    count's rounds, n = drafts verified (module docstring). Holds the weighted sums only."""
+
+    weight: float = 0.0  # sum w
+    n_sum: float = 0.0  # sum w n
+    n2_sum: float = 0.0  # sum w n^2
+    y_sum: float = 0.0  # sum w y
+    ny_sum: float = 0.0  # sum w n y
+    n_min: int | None = None  # the served range of n
+    n_max: int | None = None
+
+    def add(self, n: int, y: float, ema_weight: float) -> None:
+        """Fold in one round (n drafts, y seconds above the profile); the first is taken whole."""
+        fade, w = (0.0, 1.0) if self.weight == 0.0 else (1.0 - ema_weight, ema_weight)
+        self.weight = fade * self.weight + w
+        self.n_sum = fade * self.n_sum + w * n
+        self.n2_sum = fade * self.n2_sum + w * n * n
+        self.y_sum = fade * self.y_sum + w * y
+        self.ny_sum = fade * self.ny_sum + w * n * y
+        self.n_min = n if self.n_min is None else min(self.n_min, n)
+        self.n_max = n if self.n_max is None else max(self.n_max, n)
+
+    @property
+    def slope(self) -> float:
+        """Seconds per draft above the profile's own slope (ridge-shrunk toward 0)."""
+        s0 = self.weight
+        spread = s0 * self.n2_sum - self.n_sum ** 2  # s0^2 var(n)
+        return (s0 * self.ny_sum - self.n_sum * self.y_sum) / (max(spread, 0.0) + SLOPE_RIDGE * s0 * s0)
+
+    @property
+    def level(self) -> float:
+        """Seconds above the profile of a round without drafts (n = 0)."""
+        return (self.y_sum - self.slope * self.n_sum) / self.weight
+
+    def above(self, n: np.ndarray) -> np.ndarray:
+        """``level + slope * n`` with n clipped to the served range (same shape as n)."""
+        return self.level + self.slope * np.clip(n, self.n_min, self.n_max)
+
+
 def _check_seconds(seconds: float, what: str) -> float:
     seconds = float(seconds)
     if not (math.isfinite(seconds) and seconds > 0.0):
@@ -146,12 +200,9 @@ class CostTable:
     """Seconds of drafting per round before any is measured for a request count (the profile's
     value, or 0); :meth:`draft_time` prefers a measured one."""
     config: CostTableConfig = field(default_factory=CostTableConfig)
-    request_offsets: dict[int, float] = field(default_factory=dict)
-    """Serving state, not in the JSON file: seconds added to the profile for a round of R
-    requests, by R (:meth:`observe`)."""
-    served_offsets: dict[int, dict[int, float]] = field(default_factory=dict)
-    """Serving state, not in the JSON file: seconds above the profile for a round of exactly R
-    requests and B tokens that has been served, as ``{R: {B: seconds}}`` (:meth:`observe`)."""
+    request_fits: dict[int, LevelFit] = field(default_factory=dict)
+    """Serving state, not in the JSON file: the line of seconds above the profile against drafts
+    verified, for a round of R requests, by R (:meth:`observe`)."""
     draft_seconds_by_requests: dict[int, float] = field(default_factory=dict)
     """Serving state, not in the JSON file: measured drafting seconds of a round that drafts R
     requests, by R (:meth:`observe_draft`)."""
@@ -258,9 +309,12 @@ class CostTable:
 
     def _lift(self, profile: np.ndarray, b: np.ndarray, num_requests: int) -> np.ndarray:
         """Profile step seconds at batch sizes ``b`` (same shape) lifted to what R requests were
-        measured to cost: each served (R, B) point, else R's level; floored (MIN_STEP_FRACTION)."""
-        level, served = self.offset(num_requests), self.served_offsets.get(num_requests, {})
-        above = np.array([served.get(int(x), level) for x in b.flat]).reshape(b.shape)
+        measured to cost: R's (or the nearest R's) line at n = B - R; floored
+        (MIN_STEP_FRACTION)."""
+        fit = self._fit(num_requests)
+        if fit is None:
+            return profile
+        above = fit.above(b.astype(np.float64) - num_requests)
         return np.maximum(profile + above, MIN_STEP_FRACTION * profile)
 
     def _rate(self, step: float | np.ndarray, objective: ThetaObjective,
@@ -297,10 +351,19 @@ class CostTable:
         return self._rate(self._lift(profile, b, num_requests), objective, num_requests)
 
     # ----------------------------------------------------------------------------- online update
+    def _fit(self, num_requests: int) -> LevelFit | None:
+        """R's line, else the nearest served R's (the lower on a tie), else None."""
+        if num_requests in self.request_fits:
+            return self.request_fits[num_requests]
+        if not self.request_fits:
+            return None
+        return self.request_fits[min(self.request_fits, key=lambda c: (abs(c - num_requests), c))]
+
     def offset(self, num_requests: int) -> float:
-        """Learned seconds above the profile of a round of R requests at a B it has not served
-        (module docstring)."""
-        return _nearest(self.request_offsets, num_requests, 0.0)
+        """Learned seconds above the profile of a round of R requests without drafts (the
+        line's level; module docstring)."""
+        fit = self._fit(num_requests)
+        return 0.0 if fit is None else float(fit.above(np.float64(0.0)))
 
     def draft_time(self, num_requests: int | None = None) -> float:
         """Seconds of drafting a round of R requests: the measurement for the nearest measured R,
@@ -310,22 +373,15 @@ class CostTable:
         return _nearest(self.draft_seconds_by_requests, num_requests, self.draft_seconds)
 
     def observe(self, num_requests: int, batch_tokens: int, seconds: float) -> None:
-        """Fold one step time measured while serving (R requests, B tokens) into R's level and
-        its point at B (module docstring)."""
+        """Fold one step time measured while serving (R requests, B tokens) into R's line
+        (module docstring)."""
         r = _check_count(num_requests, "num_requests")
         b = _check_count(batch_tokens, "batch_tokens")
         seconds = _check_seconds(seconds, "seconds")
         if self.config.ema_weight == 0.0:  # a frozen table
             return
-        w = self.config.ema_weight
         above = seconds - float(self.step_time(b))
-        served = self.served_offsets.setdefault(r, {})
-        if r not in self.request_offsets:  # R's first round: its level and point, taken whole
-            self.request_offsets[r] = served[b] = above
-            return
-        estimate = served.get(b, self.request_offsets[r])
-        served[b] = (1.0 - w) * estimate + w * above
-        self.request_offsets[r] = (1.0 - w) * self.request_offsets[r] + w * above
+        self.request_fits.setdefault(r, LevelFit()).add(b - r, above, self.config.ema_weight)
 
     def observe_draft(self, seconds: float, num_requests: int | None = None) -> None:
         """Fold one measured drafting time into R's (or, without R, :attr:`draft_seconds`) by an

@@ -9,6 +9,7 @@ import pytest
 
 from dspark.cost_table import (
     MIN_STEP_FRACTION,
+    SLOPE_RIDGE,
     CostTable,
     CostTableConfig,
     Interpolation,
@@ -153,16 +154,20 @@ def test_observe_learns_the_level_of_a_request_count_and_keeps_the_profile():
     assert table.batch_tokens == [1, 4, 8] and table.step_seconds == [0.04, 0.06, 0.10]
     assert table.step_time(8) == 0.10
     table.observe(4, 8, 0.10)  # a round that verified 4 drafts, as fast as the profile says
-    assert table.offset(4) == pytest.approx(0.75 * 0.04 + 0.25 * 0.0, rel=1e-15)
-    # B = 8 is a served point now: it starts at the estimate that stood (the level) and moves
-    assert table.step_time(8, num_requests=4) == pytest.approx(0.10 + 0.03, rel=1e-12)
-    assert table.step_time(4, num_requests=4) == pytest.approx(0.10, rel=1e-12)  # its own point
-    assert table.step_time(6, num_requests=4) == pytest.approx(0.08 + 0.03, rel=1e-12)  # the level
+    # R = 4's line now runs through both rounds (weights 0.75 and 0.25): 40 ms above the profile
+    # without drafts, 10 ms less per draft, to within the ridge's 1/300 on the slope
+    assert table.offset(4) == pytest.approx(0.04, rel=1e-3)
+    assert table.step_time(4, num_requests=4) == pytest.approx(0.10, rel=1e-3)
+    assert table.step_time(6, num_requests=4) == pytest.approx(0.08 + 0.02, rel=1e-3)
+    assert table.step_time(8, num_requests=4) == pytest.approx(0.10, rel=1e-3)
+    # past the served drafts (4) the line is held flat: 12 drafts cost the profile plus n = 4's
+    assert table.step_time(16, num_requests=4) == pytest.approx(
+        float(table.step_time(16)) + float(table.step_time(8, num_requests=4)) - 0.10, rel=1e-12)
 
 
-def test_served_points_of_one_request_correct_the_profiles_shape():
+def test_the_line_of_one_request_corrects_the_profiles_shape():
     """The profile spreads B = 4 over 4 requests; one request with 3 drafts costs less (session 13:
-    profile 89 / 138 ms at B = 1 / 4, one request at context 300 107 / 141 ms). Served points
+    profile 89 / 138 ms at B = 1 / 4, one request at context 300 107 / 141 ms). The served rounds
     converge to what they cost, so a single stream is not charged for requests it does not have."""
     table = CostTable.from_step_seconds({1: 0.089, 4: 0.1375, 8: 0.1432})
     for _ in range(100):
@@ -170,9 +175,27 @@ def test_served_points_of_one_request_correct_the_profiles_shape():
         table.observe(1, 4, 0.141)
     assert table.step_time(1, num_requests=1) == pytest.approx(0.107, rel=1e-3)
     assert table.step_time(4, num_requests=1) == pytest.approx(0.141, rel=1e-3)
-    level = table.offset(1)
-    assert 0.141 - 0.1375 < level < 0.107 - 0.089  # between the two served points' offsets
-    assert table.step_time(8, num_requests=1) == pytest.approx(0.1432 + level, rel=1e-12)
+    assert table.offset(1) == pytest.approx(0.107 - 0.089, rel=1e-2)  # the line at n = 0
+    # 7 drafts lie past the 3 served: the line is held at n = 3, 3.5 ms above the profile
+    assert table.step_time(8, num_requests=1) == pytest.approx(0.1432 + 0.141 - 0.1375, rel=1e-3)
+
+
+def test_drafts_of_many_sizes_teach_one_line():
+    """Session 16 (bf16, 16 requests): rounds that verify drafts seldom verify the same number
+    twice (B = 40-52 in one minute). Every one of them informs R's line, so a draft count never
+    served on its own (here 30) is priced at what drafts were measured to cost, not at the
+    level of the rounds without drafts that make up most of R's rounds."""
+    table = CostTable.from_step_seconds({16: 0.100, 48: 0.110})
+
+    def truth(n: int) -> float:  # 15 ms above the profile, 1.2 ms more a draft
+        return float(table.step_time(16 + n)) + 0.015 + 0.0012 * n
+
+    drafted = [24, 27, 33, 36, 25, 29, 31, 35, 26, 34]
+    for i in range(200):
+        n = drafted[i // 4 % len(drafted)] if i % 4 == 3 else 0  # one round in 4 drafts
+        table.observe(16, 16 + n, truth(n))
+    assert table.step_time(16, num_requests=16) == pytest.approx(truth(0), rel=1e-3)
+    assert table.step_time(46, num_requests=16) == pytest.approx(truth(30), rel=1e-3)
 
 
 def test_an_unmeasured_request_count_takes_the_nearest_measured_level():
@@ -247,24 +270,41 @@ def test_observe_draft():
         table.observe(2, 1.5, 0.1)
 
 
+def reference_line(rounds: list[tuple[int, float]], ema_weight: float, n: np.ndarray) -> np.ndarray:
+    """Brute force of CostTable's line: weighted least squares over every round (the last with
+    weight w, each earlier faded by 1 - w, the first with the weight left over), the slope
+    ridge-penalised by SLOPE_RIDGE, evaluated at n clipped to the served range."""
+    ns = np.array([x for x, _ in rounds], dtype=np.float64)  # [m]
+    ys = np.array([y for _, y in rounds])  # [m]
+    m = len(rounds)
+    weights = ema_weight * (1.0 - ema_weight) ** np.arange(m - 1, -1, -1.0)  # [m]
+    weights[0] = (1.0 - ema_weight) ** (m - 1)
+    s0, s1, s2 = weights.sum(), (weights * ns).sum(), (weights * ns * ns).sum()
+    normal = np.array([[s0, s1], [s1, s2 + SLOPE_RIDGE * s0]])
+    level, slope = np.linalg.solve(normal, [(weights * ys).sum(), (weights * ns * ys).sum()])
+    return level + slope * np.clip(n, ns.min(), ns.max())
+
+
 @pytest.mark.parametrize("interpolation", list(Interpolation))
 def test_rate_lookups_follow_every_update(interpolation):
     rng = np.random.default_rng(0)
     config = CostTableConfig(interpolation=interpolation, ema_weight=0.3)
     table = CostTable.from_step_seconds(STAIR, config=config, draft_seconds=0.002)
     profile = CostTable.from_step_seconds(STAIR, config=config)
+    history: dict[int, list[tuple[int, float]]] = {}
     for _ in range(60):
         r = int(rng.integers(1, 20))
         table.round_rate_range(r, 50, ThetaObjective.PAPER)
-        table.observe(r, r + int(rng.integers(0, 30)), float(rng.uniform(0.005, 0.05)))
+        n, seconds = int(rng.integers(0, 30)), float(rng.uniform(0.005, 0.05))
+        table.observe(r, r + n, seconds)
         table.observe_draft(float(rng.uniform(0.001, 0.01)), r)
+        history.setdefault(r, []).append((n, seconds - float(profile.step_time(r + n))))
         bs = np.arange(r, r + 50)
         plain = profile.step_time(bs)  # [50]
-        served = table.served_offsets.get(r, {})
-        above = np.array([served[b] if b in served else table.offset(r) for b in bs.tolist()])
+        above = reference_line(history[r], config.ema_weight, bs - r)
         step = np.maximum(plain + above, MIN_STEP_FRACTION * plain)
-        assert np.allclose(table.step_time(bs, num_requests=r), step, rtol=1e-15, atol=0)
+        assert np.allclose(table.step_time(bs, num_requests=r), step, rtol=1e-9, atol=0)
         for objective in ThetaObjective:
             extra = 0.0 if objective is ThetaObjective.PAPER else table.draft_time(r)
             assert np.allclose(table.round_rate_range(r, 50, objective), 1.0 / (extra + step),
-                               rtol=1e-15, atol=0)
+                               rtol=1e-9, atol=0)

@@ -300,7 +300,7 @@ def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, re
     # drafting is measured per request count (here one request a round)
     assert 0.0 < engine.cost_table.draft_time(1) <= engine.stats.draft_seconds
     assert set(engine.cost_table.draft_seconds_by_requests) == {1}
-    assert set(engine.cost_table.request_offsets) == {1}
+    assert set(engine.cost_table.request_fits) == {1}
 
 
 def test_greedy_and_sampled_requests_share_rounds(tiny_target, reference_greedy):

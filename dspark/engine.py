@@ -76,6 +76,10 @@ class EngineConfig:
     and the context of requests that are never drafted is never projected (or, with a remote
     drafter, never sent). 0 = every probe drafts every request."""
 
+    min_gain: float = 1.05
+    """async_topk: verify drafts only when their expected Theta is at least this many times
+    Theta without drafts (`AdmissionConfig.min_gain`); 1.0 = the plain argmax."""
+
     objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
     """What admission maximises. SHARED_DEVICE (default): drafting and verification take turns
     on the same device, and a round whose K is 0 skips drafting, so a draft is verified only
@@ -191,7 +195,8 @@ class Engine:
         self.config = config
         policy = config.policy if drafter is not None else AdmissionPolicy(PolicyKind.NONE)
         self.speculative = policy.kind is not PolicyKind.NONE
-        self.admitter = Admitter(AdmissionConfig(policy=policy, objective=config.objective), cost_table)
+        self.admitter = Admitter(AdmissionConfig(policy=policy, objective=config.objective,
+                                                 min_gain=config.min_gain), cost_table)
         self.waiting: list[Request] = []
         self.prefilling: list[Request] = []
         """Joined (they hold a slot) but their prompts are not all read yet (chunked prefill)."""

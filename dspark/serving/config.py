@@ -130,6 +130,8 @@ class SchedulerConfig(TracingFields):
                                             "prompts in a forward of their own")
     probe_requests: int = _field(4, "async_topk: a probe (a round whose K is known to be 0) "
                                     "drafts at most this many requests, in turn; 0 = all")
+    min_gain: float = _field(1.05, "async_topk: verify drafts only when the expected tokens/s "
+                                   "gain at least this factor over none; 1 = plain argmax")
     update_cost_table: bool = _field(True, "refresh SPS(B) from measured verification steps")
     max_tokens_limit: int = _field(2048, "largest max_tokens a client may ask for")
     redis_url: str = _field("", "redis://host:port/db for request state; empty = in memory")
@@ -148,6 +150,8 @@ class SchedulerConfig(TracingFields):
             raise ValueError("max_running and max_tokens_limit must be >= 1, sparse_top_k >= 0")
         if self.cohorts < 1:
             raise ValueError(f"cohorts must be >= 1, got {self.cohorts}")
+        if not self.min_gain >= 1.0:
+            raise ValueError(f"min_gain must be >= 1, got {self.min_gain}")
         if self.probe_requests < 0 or self.prefill_chunk_tokens < 0:
             raise ValueError("probe_requests and prefill_chunk_tokens must be >= 0")
         from dspark.admission import AdmissionPolicy

@@ -316,6 +316,31 @@ def test_shared_device_verifies_a_draft_only_when_it_pays_for_drafting():
     assert best_capacity(confident, table, ThetaObjective.SHARED_DEVICE) == 1
 
 
+def test_min_gain_keeps_k_at_zero_unless_drafts_gain_that_factor():
+    """One request, drafting 8.5 ms, a step 36 ms alone and 40 ms with one draft (the test
+    above): a draft confident at c gives Theta(1) / Theta(0) = (1 + c) * 36 / 48.5. At c = 0.4
+    that is 1.039: the plain argmax verifies it, a 5% margin does not; at c = 0.9 (1.410) both
+    do. Through the Admitter, the async K handed on two steps later obeys the same margin."""
+    table = CostTable.from_step_seconds({1: 0.036, 2: 0.040}, draft_seconds=0.0085)
+    shared = ThetaObjective.SHARED_DEVICE
+    close = sorted_candidates(survival_probs(np.array([[0.4]])))
+    gain = theta_curve(close.survival, 1, table, shared)[1] / theta_curve(close.survival, 1, table, shared)[0]
+    assert gain == pytest.approx(1.4 * 0.036 / 0.0485, rel=1e-12)
+    assert best_capacity(close, table, shared) == 1
+    assert best_capacity(close, table, shared, min_gain=1.05) == 0
+    assert best_capacity(close, table, shared, min_gain=gain) == 1  # the margin is inclusive
+    confident = sorted_candidates(survival_probs(np.array([[0.9]])))
+    assert best_capacity(confident, table, shared, min_gain=1.05) == 1
+    for min_gain, k in ((1.0, 1), (1.05, 0)):
+        admitter = Admitter(AdmissionConfig(policy=AdmissionPolicy.parse("async_topk"),
+                                            objective=shared, min_gain=min_gain), table)
+        for _ in range(2):  # the warm-up: K from the prior
+            admitter.admit(np.array([[0.4]]))
+        assert admitter.planned_capacity() == k
+    with pytest.raises(ValueError, match="min_gain"):
+        AdmissionConfig(min_gain=0.99)
+
+
 def test_sync_greedy_counts_drafting_as_paid_under_shared_device():
     """sync_greedy drafts before it decides, so under SHARED_DEVICE the Admitter judges its
     drafts by SPS(B) alone, as the paper's objective does."""

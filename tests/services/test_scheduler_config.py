@@ -1,0 +1,24 @@
+"""The scheduler's --min-gain flag: parsed into SchedulerConfig, and refused below 1."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dspark.serving.config import SchedulerConfig, add_arguments, from_args
+
+
+def parse(*argv: str) -> SchedulerConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, SchedulerConfig, "DSPARK_SCHEDULER")
+    return from_args(SchedulerConfig, parser.parse_args(list(argv)))
+
+
+def test_min_gain_is_a_flag_with_the_engine_default():
+    from dspark.engine import EngineConfig
+
+    assert parse().min_gain == EngineConfig().min_gain == 1.05
+    assert parse("--min-gain", "1.0").min_gain == 1.0
+    with pytest.raises(ValueError, match="min_gain must be >= 1, got 0.9"):
+        parse("--min-gain", "0.9")

@@ -275,11 +275,21 @@ def best_capacity(
 ) -> int:
     """Unconstrained global search: the admission count n maximising Theta (smallest on ties),
     or 0 when that maximum is below ``min_gain`` times Theta without drafts."""
+    return capacity_and_gain(candidates, cost_table, objective, min_gain)[0]
+
+
+def capacity_and_gain(
+    candidates: Candidates, cost_table: CostTable, objective: ThetaObjective = ThetaObjective.PAPER,
+    min_gain: float = 1.0,
+) -> tuple[int, float]:
+    """:func:`best_capacity`, and the gain of the best admission count over none,
+    ``max Theta / Theta(0)`` (>= 1; 1.0 without requests), whether or not min_gain let it in."""
     if candidates.num_requests == 0:
-        return 0
+        return 0, 1.0
     theta = theta_curve(candidates.survival, candidates.num_requests, cost_table, objective)
     k = int(np.argmax(theta))
-    return k if theta[k] >= min_gain * theta[0] else 0
+    gain = float(theta[k] / theta[0])
+    return (k if gain >= min_gain else 0), gain
 
 
 def admit_top_k(candidates: Candidates, k: int) -> np.ndarray:
@@ -371,6 +381,7 @@ class AsyncTopKAdmission:
         self.prior_confidence = prior_confidence
         self.mean_decay = mean_decay
         self._capacity_for_step: dict[int, int] = {}  # step index -> K computed lag steps earlier
+        self._gain_for_step: dict[int, float] = {}  # step index -> that decision's gain
         self.mean_confidence = np.zeros(0)
         """Running mean conditional confidence per draft position ``[positions seen]``."""
         self.capacity_used: int | None = None
@@ -423,7 +434,7 @@ class AsyncTopKAdmission:
         self.used_prior = k is None
         if k is None:
             prior = prior_candidates(num_requests, n, self.prior_confidence, max_lengths)
-            k = self._best_capacity(prior)
+            k = self._decide(prior)[0]
         self.capacity_used = k
         # 2. Admit the top-K fresh candidates.
         candidates = sorted_candidates(a, max_lengths)
@@ -436,17 +447,20 @@ class AsyncTopKAdmission:
             caps = None if max_lengths is None else np.where(
                 np.asarray(max_lengths) >= n, block_size, np.asarray(max_lengths))
             candidates = sorted_candidates(survival_probs(extended), caps)
-        self._hand_on(step_index, self._best_capacity(candidates))
+        self._hand_on(step_index, self._decide(candidates))
         return lengths
 
-    def _best_capacity(self, candidates: Candidates) -> int:
-        return best_capacity(candidates, self.cost_table, self.objective, self.min_gain)
+    def _decide(self, candidates: Candidates) -> tuple[int, float]:
+        """(K, gain) from these candidates and the cost table as it stands (capacity_and_gain)."""
+        return capacity_and_gain(candidates, self.cost_table, self.objective, self.min_gain)
 
-    def _hand_on(self, step_index: int, k: int) -> None:
-        """K for step ``t + lag``; forget what was decided for steps already past."""
+    def _hand_on(self, step_index: int, decision: tuple[int, float]) -> None:
+        """(K, gain) for step ``t + lag``; forget what was decided for steps already past."""
         for stale in [s for s in self._capacity_for_step if s <= step_index]:
             del self._capacity_for_step[stale]
-        self._capacity_for_step[step_index + self.lag] = k
+            self._gain_for_step.pop(stale, None)
+        self._capacity_for_step[step_index + self.lag], self._gain_for_step[
+            step_index + self.lag] = decision
 
     def probe(self, c_sample: Any, step_index: int, num_requests: int, block_size: int) -> None:
         """Step ``step_index`` verifies no drafts (its K is 0), but the drafter drafted a *sample*
@@ -465,7 +479,7 @@ class AsyncTopKAdmission:
         self._update_means(c)
         block = self._mean_block(num_requests, block_size).copy()  # [num_requests, block_size]
         block[:sampled, :n] = c
-        self._hand_on(step_index, self._best_capacity(sorted_candidates(survival_probs(block))))
+        self._hand_on(step_index, self._decide(sorted_candidates(survival_probs(block))))
         self.capacity_used = 0
         self.used_prior = False
 
@@ -473,16 +487,20 @@ class AsyncTopKAdmission:
         """K already decided for step ``step_index`` (None: no history, the prior will decide)."""
         return self._capacity_for_step.get(step_index)
 
+    def planned_gain(self, step_index: int) -> float | None:
+        """The expected gain (max Theta / Theta without drafts) of that decision, or None."""
+        return self._gain_for_step.get(step_index)
+
     def skip(self, step_index: int, num_requests: int | None = None,
              block_size: int | None = None) -> None:
         """Step ``step_index`` drafted nothing because its K was 0: it verifies no drafts. With no
         fresh candidates, the K of step ``t + lag`` comes from a block of running means for
         ``num_requests`` requests (0 if they are not given or nothing was seen yet)."""
-        k = 0
+        decision = (0, 1.0)
         if num_requests and block_size and self.mean_confidence.size:
             means = self._mean_block(num_requests, block_size)
-            k = self._best_capacity(sorted_candidates(survival_probs(means)))
-        self._hand_on(step_index, k)
+            decision = self._decide(sorted_candidates(survival_probs(means)))
+        self._hand_on(step_index, decision)
         self.capacity_used = 0
         self.used_prior = False
 
@@ -515,6 +533,11 @@ class Admitter:
         admitted with its first j - 1, so no draft past position K can be verified."""
         return None if self._async is None else self._async.planned_capacity(self._step)
 
+    def planned_gain(self) -> float | None:
+        """``async_topk``: the expected gain of the next step's K over no drafts
+        (:meth:`AsyncTopKAdmission.planned_gain`); None for the other policies or no history."""
+        return None if self._async is None else self._async.planned_gain(self._step)
+
     def capacity_known_zero(self) -> bool:
         """``async_topk``: whether the next step's K, decided ``lag`` steps ago, is 0. Such a step
         verifies no drafts whatever the drafter returns, so the caller may skip drafting and call
@@ -526,6 +549,14 @@ class Admitter:
         """Record a step that drafted nothing because :meth:`capacity_known_zero` held (for
         ``num_requests`` running requests with blocks of ``block_size``, if given)."""
         assert self.capacity_known_zero(), "skip() is only for steps whose K is known to be 0"
+        self._async.skip(self._step, num_requests, block_size)
+        self._step += 1
+
+    def hold(self, num_requests: int, block_size: int) -> None:
+        """``async_topk``: record a step that drafts nothing although its K may be > 0 (the
+        caller's plain check, decided from the round count and old decisions only). It verifies
+        no drafts; the K of step ``t + lag`` comes from the running means, as after a skip."""
+        assert self._async is not None, "hold() is only for async_topk"
         self._async.skip(self._step, num_requests, block_size)
         self._step += 1
 

@@ -156,6 +156,29 @@ def test_async_topk_probes_back_off_and_a_join_does_not_reset_them(tiny_target, 
     assert requests["b"].output_ids == reference_greedy[1][:20]
 
 
+@pytest.mark.parametrize("check_gain", [100.0, 1.0])
+def test_async_topk_plain_checks_break_long_runs_of_verifying_rounds(tiny_target, reference_greedy,
+                                                                     check_gain):
+    """Verifying is nearly free here (a flat cost table), so K > 0 in every round. After 3
+    verifying rounds in a row, a round with a close decision (every one, at check_gain 100)
+    drafts nothing, so the cost table would see a round without drafts; at check_gain 1.0 no
+    decision is close enough and every round verifies. The output is the target's either way."""
+    flat = CostTable.from_step_seconds({b: 0.01 for b in (1, 2, 4, 8, 16, 32, 64)})
+    engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=flat,
+                         plain_check_interval=3, plain_check_gain=check_gain, min_gain=1.0,
+                         prefill_chunk_tokens=0)
+    done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=40)
+    assert done[0].output_ids == reference_greedy[0] + done[0].output_ids[24:]
+    capacity = engine.stats.capacity  # K of every round, 0 for a round without drafts
+    runs = [len(run) for run in "".join("v" if k else "." for k in capacity).split(".") if run]
+    if check_gain == 1.0:
+        assert engine.stats.plain_check_rounds == 0 and 0 not in capacity[2:]
+    else:
+        assert engine.stats.plain_check_rounds >= 3
+        assert max(runs) == 3 and capacity.count(0) == engine.stats.plain_check_rounds
+    assert engine.stats.skipped_draft_rounds == 0
+
+
 def test_async_topk_probes_soon_again_when_the_load_falls(tiny_target, reference_greedy):
     """Two requests, no draft pays: the probes back off to every 8th round. When one request
     finishes, fewer requests run than at any fruitless probe, so the next probe comes within

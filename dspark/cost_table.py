@@ -162,7 +162,8 @@ class LevelFit:
         """Seconds per draft above the profile's own slope (ridge-shrunk toward 0)."""
         s0 = self.weight
         spread = s0 * self.n2_sum - self.n_sum ** 2  # s0^2 var(n)
-        return (s0 * self.ny_sum - self.n_sum * self.y_sum) / (max(spread, 0.0) + SLOPE_RIDGE * s0 * s0)
+        covariance = s0 * self.ny_sum - self.n_sum * self.y_sum  # s0^2 cov(n, y)
+        return covariance / (max(spread, 0.0) + SLOPE_RIDGE * s0 * s0)
 
     @property
     def level(self) -> float:

@@ -443,7 +443,8 @@ class Engine:
         if self.admitter.capacity_used is not None:
             self.stats.capacity.append(self.admitter.capacity_used)
             self._back_off_probes(self.admitter.capacity_used)
-            self._rounds_verifying = self._rounds_verifying + 1 if self.admitter.capacity_used else 0
+            verified = self.admitter.capacity_used > 0
+            self._rounds_verifying = self._rounds_verifying + 1 if verified else 0
         return blocks, lengths, record, steady
 
     def _positions_to_draft(self, gamma: int) -> int:

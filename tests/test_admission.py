@@ -324,7 +324,8 @@ def test_min_gain_keeps_k_at_zero_unless_drafts_gain_that_factor():
     table = CostTable.from_step_seconds({1: 0.036, 2: 0.040}, draft_seconds=0.0085)
     shared = ThetaObjective.SHARED_DEVICE
     close = sorted_candidates(survival_probs(np.array([[0.4]])))
-    gain = theta_curve(close.survival, 1, table, shared)[1] / theta_curve(close.survival, 1, table, shared)[0]
+    theta = theta_curve(close.survival, 1, table, shared)
+    gain = theta[1] / theta[0]
     assert gain == pytest.approx(1.4 * 0.036 / 0.0485, rel=1e-12)
     assert best_capacity(close, table, shared) == 1
     assert best_capacity(close, table, shared, min_gain=1.05) == 0

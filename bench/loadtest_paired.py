@@ -34,7 +34,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from loadtest.prometheus import SpeculationDelta, counter_values, stage_seconds  # noqa: E402
+from loadtest.prometheus import (SpeculationDelta, counter_values, round_count,  # noqa: E402
+                                 stage_seconds)
 from loadtest.results import LevelResult, write_csv  # noqa: E402
 from loadtest.sweep import choose_models, configure, run_locust  # noqa: E402
 
@@ -63,21 +64,30 @@ def run_level(stack, args: argparse.Namespace, model_name: str, prefix: Path,
     try:
         text = stack.metrics_text()
         before, stages_before = counter_values(text), stage_seconds(text)
+        rounds_before = round_count(text)
         summary = run_locust(stack, args, model_name, args.users[0], prefix)
         text = stack.metrics_text()
         delta = SpeculationDelta.between(before, counter_values(text), stages_before,
                                          stage_seconds(text))
+        rounds = round_count(text) - rounds_before
         into[key] = LevelResult.from_run(stack.policy, args.users[0], summary, delta, args.sla)
+        into[key + "/round_ms"] = ({stage: 1e3 * seconds / rounds
+                                    for stage, seconds in delta.stage_seconds.items()}
+                                   if rounds else {})
     except Exception as e:  # reported by the caller, after both threads are joined
         into[key] = e
 
 
-def pair_columns(result: LevelResult, side: str) -> dict:
+def pair_columns(result: LevelResult, round_ms: dict[str, float], side: str) -> dict:
+    """One side's columns: throughput, speculation, and engine ms per verifying round by stage
+    (where a stack spends its rounds; the stages of the scheduler's `round_seconds_total`)."""
+    stages = {f"{side}_{stage}_ms_per_round": round(ms, 2)
+              for stage, ms in sorted(round_ms.items())}
     return {f"{side}_policy": result.policy,
             f"{side}_aggregate_tokens_per_s": round(result.aggregate_tokens_per_s, 3),
             f"{side}_responses": result.responses,
             f"{side}_verification_length": round(result.mean_verification_length, 4),
-            f"{side}_draft_share": round(result.stage_share.get("draft", 0.0), 4)}
+            f"{side}_draft_share": round(result.stage_share.get("draft", 0.0), 4), **stages}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"{p}, repeat {repeat}: no response completed; raise "
                                        "--duration-s or lower --max-tokens")
             a, b = results[first], results[second]
-            rows.append({"repeat": repeat, "users": args.users[0], **pair_columns(a, "a"),
-                         **pair_columns(b, "b"),
+            rows.append({"repeat": repeat, "users": args.users[0],
+                         **pair_columns(a, results[first + "/round_ms"], "a"),
+                         **pair_columns(b, results[second + "/round_ms"], "b"),
                          "ratio_a_over_b": a.aggregate_tokens_per_s / b.aggregate_tokens_per_s})
             print(f"paired: repeat {repeat}: {first} {a.aggregate_tokens_per_s:.1f} tok/s, "
                   f"{second} {b.aggregate_tokens_per_s:.1f} tok/s, ratio "
@@ -128,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
     write_csv(out / "paired.csv", rows)
     print(format_table(rows, first, second))
+    print(stage_table(rows, first, second))
     ratios = [r["ratio_a_over_b"] for r in rows]
     print(json.dumps({"policies": [first, second], "users": args.users[0],
                       "duration_s": args.duration_s, "ratios": [round(x, 4) for x in ratios],
@@ -147,6 +159,24 @@ def format_table(rows: list[dict], first: str, second: str) -> str:
     lines.append(f"\nratio {first} / {second}: median {statistics.median(ratios):.3f}, "
                  f"geometric mean {geo:.3f}, range {min(ratios):.3f}-{max(ratios):.3f} "
                  f"({len(ratios)} concurrent pairs, {rows[0]['users']} users each)")
+    return "\n".join(lines)
+
+
+def stage_table(rows: list[dict], first: str, second: str) -> str:
+    """Engine ms per verifying round by stage, each side's mean over the repeats."""
+    stages = sorted({k.split("_", 1)[1].removesuffix("_ms_per_round")
+                     for r in rows for k in r if k.endswith("_ms_per_round")})
+    lines = [f"\n| ms per round | {first} | {second} |", "|---|---:|---:|"]
+    for stage in stages + ["total"]:
+        cells = []
+        for side in ("a", "b"):
+            if stage == "total":
+                values = [sum(v for k, v in r.items() if k.startswith(f"{side}_")
+                              and k.endswith("_ms_per_round")) for r in rows]
+            else:
+                values = [r.get(f"{side}_{stage}_ms_per_round", 0.0) for r in rows]
+            cells.append(f"{statistics.fmean(values):.2f}")
+        lines.append(f"| {stage} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 

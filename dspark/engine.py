@@ -174,6 +174,9 @@ class EngineStats:
     draft_seconds: float = 0.0
     admission_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    verify_call_seconds: float = 0.0
+    """Verifier calls' wall time beyond the forward they report (step_seconds): sampling and
+    commits, and with a remote verifier the (de)serialising and transfers too."""
     batch_tokens: list[int] = field(default_factory=list)
     capacity: list[int] = field(default_factory=list)
     skipped_draft_rounds: int = 0
@@ -377,6 +380,7 @@ class Engine:
         prompt_share = result.prefill_tokens / (result.prefill_tokens + result.batch_tokens)
         self.stats.prefill_seconds += result.step_seconds * prompt_share
         self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
+        self.stats.verify_call_seconds += max(0.0, verify_seconds - result.step_seconds)
         self.stats.batch_tokens.append(result.batch_tokens)
         if self.config.update_cost_table and not result.prefill_tokens:
             self.cost_table.observe(len(running), result.batch_tokens, verify_seconds)

@@ -44,6 +44,12 @@ def stage_seconds(text: str, prefix: str = "dspark:") -> dict[str, float]:
     return out
 
 
+def round_count(text: str, prefix: str = "dspark:") -> float:
+    """Verification rounds so far (the count of the verify batch-size histogram)."""
+    return sum(value for name, _, value in _samples(text, prefix)
+               if name == "spec_decode_verify_batch_tokens_count")
+
+
 @dataclass(frozen=True)
 class SpeculationDelta:
     drafts: float
@@ -51,7 +57,8 @@ class SpeculationDelta:
     accepted_tokens: float
     generated_tokens: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    """Engine seconds by stage over the level (prefill, draft, admission, verify, other)."""
+    """Engine seconds by stage over the level (prefill, draft, admission, verify, verify_call,
+    other)."""
 
     @classmethod
     def between(cls, before: dict[str, float], after: dict[str, float],

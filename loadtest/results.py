@@ -41,8 +41,8 @@ class LevelResult:
     sla_attainment: dict[float, float] = field(default_factory=dict)
     """SLA (tokens/s) -> share of responses at or above it."""
     stage_share: dict[str, float] = field(default_factory=dict)
-    """Engine stage (prefill, draft, admission, verify, other) -> its share of the engine's
-    time over the level (the scheduler's `round_seconds_total`)."""
+    """Engine stage (prefill, draft, admission, verify, verify_call, other) -> its share of the
+    engine's time over the level (the scheduler's `round_seconds_total`)."""
 
     @classmethod
     def from_run(cls, policy: str, users: int, summary: dict, delta: SpeculationDelta,

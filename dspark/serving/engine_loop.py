@@ -264,4 +264,5 @@ class EngineLoop:
 def _stage_seconds(stats) -> dict[str, float]:
     """The engine's cumulative seconds per stage (EngineStats), keyed as ROUND_STAGES."""
     return {"prefill": stats.prefill_seconds, "draft": stats.draft_seconds,
-            "admission": stats.admission_seconds, "verify": stats.verify_seconds}
+            "admission": stats.admission_seconds, "verify": stats.verify_seconds,
+            "verify_call": stats.verify_call_seconds}

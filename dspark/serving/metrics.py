@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 PREFIX = "dspark:"
-ROUND_STAGES = ("prefill", "draft", "admission", "verify", "other")
+ROUND_STAGES = ("prefill", "draft", "admission", "verify", "verify_call", "other")
 """Stages of `dspark:round_seconds_total` (the engine's EngineStats, plus the rest of each step)."""
 
 
@@ -198,8 +198,9 @@ class SchedulerMetrics:
               [({}, self.fallback_rounds_total)]),
             F("round_seconds_total", "counter",
               "Engine time by stage: prefill (a fused forward's prompt-token share), draft (incl. "
-              "the drafter service round trip), admission, verify (the target's step), other "
-              "(sampling, commits, bookkeeping).",
+              "the drafter service round trip), admission, verify (the target's step), verify_call "
+              "(the verifier call beyond that step: sampling, commits, transfers), other "
+              "(the scheduler's own work).",
               [({"stage": stage}, round(value, 6)) for stage, value in self.stage_seconds.items()]),
             F("spec_decode_skipped_draft_rounds_total", "counter",
               "async_topk rounds that did not draft because their capacity K was 0.",

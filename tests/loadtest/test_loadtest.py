@@ -116,7 +116,8 @@ def test_sweep_writes_one_row_per_policy_and_level(tmp_path):
     assert any(float(r["mean_verification_length"]) > 0 for r in rows
                if r["policy"] == "async_topk")
     for r in rows:  # the engine's time by stage, from the scheduler's round_seconds_total
-        shares = {s: float(r[f"{s}_share"]) for s in ("prefill", "draft", "admission", "verify", "other")}
+        shares = {s: float(r[f"{s}_share"])
+                  for s in ("prefill", "draft", "admission", "verify", "verify_call", "other")}
         assert sum(shares.values()) == pytest.approx(1.0, abs=1e-3) and shares["verify"] > 0, r
         assert (shares["draft"] == 0) == (r["policy"] == "none"), r
 

@@ -35,6 +35,9 @@ def test_paired_runs_both_stacks_at_once_and_reports_the_ratio(tmp_path):
         assert a > 0 and b > 0 and int(r["a_responses"]) >= 1 and int(r["b_responses"]) >= 1
         assert float(r["ratio_a_over_b"]) == pytest.approx(a / b, rel=1e-3)
         assert float(r["b_verification_length"]) == 0 and float(r["b_draft_share"]) == 0
+        # engine ms per round by stage, from each scheduler's /metrics
+        assert float(r["a_verify_ms_per_round"]) > 0 and float(r["b_verify_ms_per_round"]) > 0
+        assert float(r.get("b_draft_ms_per_round") or 0) == 0
     assert any(float(r["a_verification_length"]) > 0 for r in rows)
     # the two runs of a repeat overlap in time (Locust's per-second history of each)
     spans = {}
@@ -45,6 +48,7 @@ def test_paired_runs_both_stacks_at_once_and_reports_the_ratio(tmp_path):
     (a0, a1), (b0, b1) = spans["async_topk"], spans["none"]
     assert min(a1, b1) - max(a0, b0) >= 1, spans  # one after the other: no second shared
     assert "ratio async_topk / none: median" in done.stdout
+    assert "| ms per round | async_topk | none |" in done.stdout and "| verify |" in done.stdout
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["ratios"] == [round(float(r["ratio_a_over_b"]), 4) for r in rows]
 

@@ -70,8 +70,9 @@ def test_models_health_and_metrics(stack):
     assert values["dspark:spec_decode_drafter_available"] == 1
     stage = {line.split('stage="')[1].split('"')[0]: float(line.split()[-1])
              for line in text.splitlines() if line.startswith("dspark:round_seconds_total{")}
-    assert set(stage) == {"prefill", "draft", "admission", "verify", "other"}
+    assert set(stage) == {"prefill", "draft", "admission", "verify", "verify_call", "other"}
     assert stage["prefill"] > 0 and stage["draft"] > 0 and stage["verify"] > 0
+    assert stage["verify_call"] > 0  # a remote call always costs more than its forward
 
 
 def test_a_client_resetting_its_connection_is_not_an_error(stack):

@@ -403,8 +403,8 @@ class AsyncTopKAdmission:
     def _mean_candidates(self, num_requests: int, block_size: int) -> Candidates:
         """The sorted candidates of a block of running means (:meth:`_mean_block`), kept until
         the means change: under a load where no draft pays, every skipped round decides from
-        the same means, and sorting them again each round cost the scheduler's engine thread
-        about 0.3 ms of CPU a round (1 ms of wall time with the front ends' threads about)."""
+        the same means. Session 17, 16 users: the engine thread's CPU before the verifier call
+        (mostly this decision) went from 0.32 to 0.21 ms a round."""
         key = (num_requests, block_size, self._means_version)
         if self._mean_candidates_cache is None or self._mean_candidates_cache[0] != key:
             block = self._mean_block(num_requests, block_size)

@@ -214,6 +214,9 @@ class TimedVerifier:
             self.verify_call_seconds += time.perf_counter() - start - out.step_seconds * share
         return out
 
+    def take_features(self, request_ids):
+        return self.inner.take_features(request_ids)
+
     def release(self, request_id: Hashable) -> None:
         self.inner.release(request_id)
 

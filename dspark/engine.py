@@ -9,7 +9,8 @@ One `step()` is one round for every running request:
 3. the admission policy decides from the blocks' confidences how many drafts of each request
    the target verifies (l_r; capped so no request overshoots its max_tokens);
 4. the verifier runs one flattened target forward over every [anchor, x_1..x_l] and does
-   lossless rejection sampling; the committed tokens' features go back to the drafter;
+   lossless rejection sampling; the committed tokens' features go back to the drafter (or,
+   for a request this round did not draft, wait in the verifier until it is next drafted);
 5. new tokens are checked against EOS / stop tokens / max_tokens and handed to the caller.
 The drafter, the admission and the verifier are separate objects with narrow interfaces; the
 loop does not know whether they are in-process or remote.
@@ -19,6 +20,7 @@ With no drafter (or policy `none`) every round is an ordinary decoding step, sti
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -70,11 +72,18 @@ class EngineConfig:
     in a forward of their own before the round (and the joiners decode in that same step)."""
     probe_requests: int = 4
     """A probe (a drafting round whose K is known to be 0, so it verifies nothing) drafts at most
-    this many of the running requests, taken in turn (round-robin over the batch, never chosen by
-    their tokens); the admission fills in the others with its running means. Under a load where
-    no draft pays, a probe then costs the drafting of a few requests, not of the whole batch,
-    and the context of requests that are never drafted is never projected (or, with a remote
-    drafter, never sent). 0 = every probe drafts every request."""
+    this many of the running requests (never chosen by their tokens): those the last probe drafted
+    that still run, then the newest joiners; the admission fills in the others with its running
+    means. Under a load where no draft pays, a probe then costs the drafting of a few requests,
+    not of the whole batch, and each probe's requests bring little context the drafter has not
+    seen (the same requests since the last probe, or a prompt just read); the context of requests
+    that are never drafted is never projected (or, with a remote drafter, never sent). 0 = every
+    probe drafts every request."""
+    hold_features: bool = True
+    """In rounds that do not draft a request (async_topk skipping, or a probe's other requests),
+    its target features stay with the verifier (`VerifyRequest.hold_features`) until the drafter
+    next drafts it (`take_features`): with a remote verifier they then cross the wire only for
+    requests that are drafted. The drafter sees the same context in the same order either way."""
 
     plain_check_interval: int = 16
     """async_topk: after this many rounds in a row that verified drafts, one round drafts
@@ -232,8 +241,10 @@ class Engine:
         self._fruitless_load: int | None = None
         """The lightest load (`_load()`) of a drafting round that found nothing to verify since
         the probe interval was last reset (None: none since)."""
-        self._probe_cursor = 0
-        """Where in the running batch the next sampled probe starts (round-robin)."""
+        self._probe_members: set = set()
+        """The requests the last sampled probe drafted (the next probe keeps those that run)."""
+        self._held: set = set()
+        """Requests whose features the verifier holds for the drafter (hold_features)."""
         self.round_observer: Callable[[RoundRecord], None] | None = None
         """Called once per speculative round (after verification) with its RoundRecord."""
 
@@ -299,20 +310,27 @@ class Engine:
 
     def _prefill_only(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
         """A step with nothing to decode: the forward reads prompt chunks only."""
+        chunks = [self._holding_chunk(c, False) for _, c in planned]
         start = time.perf_counter()
-        out = self.verifier.verify([], [c for _, c in planned])
+        out = self.verifier.verify([], chunks)
         self.stats.prefill_seconds += time.perf_counter() - start
-        outputs = self._take_chunks(planned, out.prefill)
+        outputs = self._take_chunks(planned, out.prefill, chunks)
         self._retire_finished()
         return outputs
 
-    def _take_chunks(self, planned: list[tuple[Request, PrefillChunk]], result) -> list[StepOutput]:
+    def _take_chunks(self, planned: list[tuple[Request, PrefillChunk]], result,
+                     sent: Sequence[PrefillChunk] | None = None) -> list[StepOutput]:
         """Record what the target read; a finished prompt's request starts running with its
-        first token. The drafter gets each chunk's features."""
+        first token. The drafter gets each chunk's features, unless the verifier holds them
+        (`sent`: the chunks as sent, when they may say hold_features)."""
         outputs = []
-        for (r, chunk), token, features in zip(planned, result.first_tokens, result.features):
+        sent = [c for _, c in planned] if sent is None else sent
+        for (r, chunk), token, features, as_sent in zip(planned, result.first_tokens,
+                                                        result.features, sent):
             start, end = r.prefilled, r.prefilled + len(chunk.token_ids)
-            if self.speculative:
+            if as_sent.hold_features:
+                self._held.add(r.request_id)
+            elif self.speculative:
                 self.drafter.append_context(r.request_id, features, torch.arange(start, end),
                                             torch.tensor(list(chunk.token_ids)))
             r.prefilled = end
@@ -343,7 +361,8 @@ class Engine:
         self._reset_probes_if_load_fell()
         gamma = self.drafter.gamma if self.speculative else 0
         drafting = self.speculative and not self._skip_drafting()
-        if drafting and not planned and self._plain_check_due():
+        plain_check = drafting and not planned and self._plain_check_due()
+        if plain_check:
             drafting = False
             self.admitter.hold(len(running), gamma)
             self._rounds_verifying = 0
@@ -359,17 +378,27 @@ class Engine:
             self.stats.capacity.append(0)
         blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
         draft_start = time.perf_counter()
+        drafted_ids: set = set()
         if drafting:
             blocks, lengths, record, steady = self._draft_and_admit(running, gamma)
+            drafted_ids = set(record.request_ids)
         verify_start = time.perf_counter()
         if drafting and steady and self.config.update_cost_table:
             # Drafting as the round pays for it: the drafter's call and the admission after it.
             self.cost_table.observe_draft(verify_start - draft_start, len(running))
+        # A round that skips drafting, or a probe, leaves the features of the requests it did
+        # not draft with the verifier; a plain check does not (the whole batch drafts next).
+        holding = (self.speculative and self.config.hold_features and not plain_check
+                   and len(drafted_ids) < len(running))
+        hold = [holding and r.request_id not in drafted_ids or r.request_id in self._held
+                for r in running]
+        chunks = [self._holding_chunk(chunk, holding) for _, chunk in planned]
 
         result = self.verifier.verify(
-            [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator)
-             for r, block, n in zip(running, blocks, lengths)],
-            [c for _, c in planned])
+            [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator,
+                           hold_features=h)
+             for r, block, n, h in zip(running, blocks, lengths, hold)],
+            chunks)
         # The step as the round pays for it: with a remote verifier the call's (de)serialising
         # and transfers too, which grow with the drafts sent and accepted (features), not only
         # the forward the verifier reports in result.step_seconds.
@@ -390,18 +419,38 @@ class Engine:
             self.round_observer(record)
 
         outputs = []
-        for r, n, accepted, tokens, features in zip(running, lengths, result.num_accepted,
-                                                    result.output_tokens, result.features):
+        for r, n, accepted, tokens, features, held in zip(running, lengths, result.num_accepted,
+                                                          result.output_tokens, result.features,
+                                                          hold):
             self._record_metrics(r, int(n), accepted, gamma)
-            if self.speculative:
+            if held:
+                self._held.add(r.request_id)
+            elif self.speculative:
                 first = r.anchor_position
                 self.drafter.append_context(r.request_id, features,
                                             torch.arange(first, first + 1 + accepted),
                                             torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
             outputs.append(self._emit(r, tokens))
-        outputs += self._take_chunks(planned, result.prefill) if planned else []
+        outputs += self._take_chunks(planned, result.prefill, chunks) if planned else []
         self._retire_finished()
         return outputs
+
+    def _holding_chunk(self, chunk: PrefillChunk, holding: bool) -> PrefillChunk:
+        """The chunk, its features held by the verifier in a round that holds features (or when
+        the request's earlier features are held: its context stays in order)."""
+        if holding or chunk.request_id in self._held:
+            return dataclasses.replace(chunk, hold_features=True)
+        return chunk
+
+    def _take_held(self, requests: Sequence[Request]) -> None:
+        """Before drafting: hand the drafter the features the verifier held for these requests."""
+        wanted = [r.request_id for r in requests if r.request_id in self._held]
+        if not wanted:
+            return
+        for rid, pieces in zip(wanted, self.verifier.take_features(wanted)):
+            for piece in pieces:
+                self.drafter.append_context(rid, piece.features, piece.positions, piece.token_ids)
+            self._held.discard(rid)
 
     def _draft_and_admit(self, running: list[Request], gamma: int
                          ) -> tuple[list, np.ndarray, RoundRecord, bool]:
@@ -410,9 +459,10 @@ class Engine:
         until verified, zeros for a sample, which verifies nothing), and whether this round's
         drafting time is a sample of what drafting a round costs (`steady`, below)."""
         self._rounds_without_draft = 0
-        sample = self._probe_sample(len(running))
+        sample = self._probe_sample(running)
         drafted = running if sample is None else [running[i] for i in sample]
         start = time.perf_counter()
+        self._take_held(drafted)
         num_positions = self._positions_to_draft(gamma)
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
@@ -460,16 +510,20 @@ class Engine:
         planned = self.admitter.planned_capacity()
         return gamma if planned is None else min(gamma, planned + 1)
 
-    def _probe_sample(self, num_running: int) -> list[int] | None:
-        """Indices into the running batch for a probe that drafts only some of it: the next
-        `probe_requests` in turn. None when this round is not a probe (K not known to be 0) or
-        the whole batch fits the sample. Depends on the batch's size and the round count only."""
+    def _probe_sample(self, running: list[Request]) -> list[int] | None:
+        """Indices into the running batch for a probe that drafts only some of it: the requests
+        the last probe drafted that still run, then the newest joiners, up to `probe_requests`
+        (so each probe's requests bring little context the drafter has not absorbed). None when
+        this round is not a probe (K not known to be 0) or the whole batch fits the sample.
+        Depends on which requests run and their join order only, never on their tokens."""
         limit = self.config.probe_requests
-        if limit == 0 or num_running <= limit or not self.admitter.capacity_known_zero():
+        if limit == 0 or len(running) <= limit or not self.admitter.capacity_known_zero():
             return None
-        start = self._probe_cursor % num_running
-        self._probe_cursor = start + limit
-        return [(start + i) % num_running for i in range(limit)]
+        kept = [i for i, r in enumerate(running) if r.request_id in self._probe_members]
+        newest = [i for i in reversed(range(len(running))) if i not in kept]
+        sample = sorted((kept + newest)[:limit])
+        self._probe_members = {running[i].request_id for i in sample}
+        return sample
 
     def _plain_check_due(self) -> bool:
         """Whether this round, which would draft, gives it up to measure a round without drafts
@@ -558,6 +612,8 @@ class Engine:
             self._reset_probes_if_load_fell()
 
     def _release(self, r: Request) -> None:
+        self._held.discard(r.request_id)
+        self._probe_members.discard(r.request_id)
         self.verifier.release(r.request_id)
         if self.speculative:
             self.drafter.release(r.request_id)

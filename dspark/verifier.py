@@ -9,6 +9,8 @@ It owns the target runner (and so every request's KV cache) and offers the engin
   *prefill chunks* (`PrefillChunk`): pieces of joining requests' prompts read in the same
   forward (chunked prefill), the last piece of a prompt sampling its first token as `prefill`
   does;
+- `take_features`: the features of items marked `hold_features`, kept here until the drafter
+  needs them (dspark.feature_stash);
 - `release`.
 The engine calls these as plain methods; the services issue puts the same object behind gRPC.
 
@@ -24,6 +26,7 @@ from typing import Hashable, Sequence
 
 import torch
 
+from dspark.feature_stash import FeaturePiece, FeatureStash
 from dspark.models.drafter import DraftBlock
 from dspark.models.runner import ForwardItem, TargetRunner
 from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify
@@ -48,6 +51,9 @@ class VerifyRequest:
     """l_r: how many of the block's tokens the admission admitted."""
     sampling: SamplingParams
     generator: torch.Generator | None = None
+    hold_features: bool = False
+    """Keep the committed tokens' features with the verifier (`take_features`) instead of
+    returning them (dspark.feature_stash)."""
 
 
 @dataclass
@@ -63,6 +69,8 @@ class PrefillChunk:
     generator: torch.Generator | None = None
     continued: bool = False
     """The request's earlier pieces are already in the KV cache (else it is new here)."""
+    hold_features: bool = False
+    """Keep the chunk's features with the verifier instead of returning them."""
 
 
 @dataclass
@@ -72,7 +80,8 @@ class ChunkOutput:
     first_tokens: list[int | None]
     """[num_chunks] the request's first token for a final chunk, None for the others."""
     features: list[torch.Tensor | None]
-    """[num_chunks] features [len(token_ids), num_layers * hidden_size], or None without layers."""
+    """[num_chunks] features [len(token_ids), num_layers * hidden_size], or None without layers
+    or when held."""
 
 
 @dataclass
@@ -83,7 +92,7 @@ class VerifyOutput:
     """[num_requests] accepted drafts then the recovered or bonus token."""
     features: list[torch.Tensor | None]
     """[num_requests] features [1 + accepted, num_layers * hidden_size] of the committed tokens
-    (anchor and accepted drafts), or None without hidden layers."""
+    (anchor and accepted drafts), or None without hidden layers or when held."""
     batch_tokens: int
     """B = sum_r (1 + l_r): tokens the target processed."""
     step_seconds: float
@@ -99,6 +108,8 @@ class TargetVerifier:
 
     def __init__(self, runner: TargetRunner) -> None:
         self.runner = runner
+        self.stash = FeatureStash()
+        """Features of items marked hold_features, until `take_features`."""
 
     @property
     def vocab_size(self) -> int:
@@ -158,6 +169,7 @@ class TargetVerifier:
         items += [ForwardItem(c.request_id, list(c.token_ids),
                               logits_from=None if c.final else len(c.token_ids)) for c in prefill]
         old_lengths = [self.runner.length(r.request_id) for r in requests]
+        chunk_starts = [self.runner.length(c.request_id) for c in prefill]
         start = time.perf_counter()
         out = self.runner.forward(items)  # logits: l_r + 1 rows per request, then 1 per final chunk
         step_seconds = time.perf_counter() - start
@@ -182,8 +194,25 @@ class TargetVerifier:
             for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
                 self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
                 hidden = out.hidden_of(i)[:1 + accepted] if out.hidden is not None else None
-                features.append(self._flat_features(hidden))
+                flat = self._flat_features(hidden)
+                # Once a request holds features, later ones are held too: its context stays in
+                # order.
+                if (req.hold_features or req.request_id in self.stash) and flat is not None:
+                    committed = [req.anchor_token] + output_tokens[i][:accepted]
+                    self.stash.hold(req.request_id, FeaturePiece(
+                        flat, torch.arange(old, old + 1 + accepted),
+                        torch.tensor(committed, dtype=torch.int64)))
+                    flat = None
+                features.append(flat)
         chunks = self._chunk_outputs(prefill, out, len(requests), out.logits[verify_rows:])
+        if chunks is not None:
+            for i, (chunk, start) in enumerate(zip(prefill, chunk_starts)):
+                held = chunk.hold_features or chunk.request_id in self.stash
+                if held and chunks.features[i] is not None:
+                    self.stash.hold(chunk.request_id, FeaturePiece(
+                        chunks.features[i], torch.arange(start, start + len(chunk.token_ids)),
+                        torch.tensor(list(chunk.token_ids), dtype=torch.int64)))
+                    chunks.features[i] = None
         return VerifyOutput(num_accepted, output_tokens, features,
                             batch_tokens=len(requests) + sum(lens), step_seconds=step_seconds,
                             prefill=chunks,
@@ -206,6 +235,12 @@ class TargetVerifier:
                     else None for i in range(len(prefill))]
         return ChunkOutput(first, features)
 
+    def take_features(self, request_ids: Sequence[Hashable]) -> list[list[FeaturePiece]]:
+        """[num_requests] the held feature pieces of each request, in order (empty lists where
+        nothing is held); they are forgotten here."""
+        return [self.stash.take(rid) for rid in request_ids]
+
     def release(self, request_id: Hashable) -> None:
+        self.stash.drop(request_id)
         if self.runner.has_request(request_id):
             self.runner.free(request_id)

@@ -241,14 +241,17 @@ def test_async_topk_probes_stay_backed_off_when_the_load_dips_a_little(tiny_targ
         assert requests[rid].output_ids[:n] == reference_greedy[i][:n]
 
 
-def test_async_topk_probes_draft_a_sample_of_the_batch_in_turn(tiny_target, reference_greedy):
-    """With K known to be 0, a probe drafts only `probe_requests` of the running requests, the
-    next ones in turn; the two warm-up rounds (K unknown) draft the whole batch. The admission
-    hands on K from the sample, nothing is verified, and the output stays the target's."""
+def test_async_topk_probes_keep_their_sample_and_fill_it_with_the_newest(tiny_target,
+                                                                           reference_greedy):
+    """With K known to be 0, a probe drafts only `probe_requests` of the running requests: those
+    the last probe drafted that still run, then the newest joiners (so a probe's requests bring
+    little unseen context). The two warm-up rounds (K unknown) draft the whole batch. The
+    admission hands on K from the sample, nothing is verified, and the output stays the
+    target's."""
     steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
     engine = make_engine(tiny_target[0], "async_topk", max_running=5, table=steep, probe_interval=2,
                          max_probe_interval=2, probe_requests=2)
-    drafted = []  # request ids of each drafting call
+    drafted, running_then = [], []  # per drafting call: the drafted ids, the running ids
     inner = engine.drafter
 
     class Recording:
@@ -258,21 +261,33 @@ def test_async_topk_probes_draft_a_sample_of_the_batch_in_turn(tiny_target, refe
 
         def draft(self, requests, sparse_top_k=None, num_positions=None):
             drafted.append([r.request_id for r in requests])
+            running_then.append([r.request_id for r in engine.running])
             return inner.draft(requests, sparse_top_k=sparse_top_k, num_positions=num_positions)
 
     engine.drafter = Recording()
-    ids = [engine.add_request(p, SamplingParams(temperature=0), max_tokens=24) for p in PROMPTS[:5]]
+    max_tokens = [6, 24, 12, 24, 18]  # the newest ones finish first, so the sample moves
+    ids = [engine.add_request(p, SamplingParams(temperature=0), max_tokens=n)
+           for p, n in zip(PROMPTS[:5], max_tokens)]
     requests = {r.request_id: r for r in engine.waiting}
     while engine.has_unfinished():
         engine.step()
     assert drafted[:2] == [ids, ids]  # warm-up: K unknown, the whole batch
-    probes = drafted[2:]
-    assert probes and all(len(p) == 2 for p in probes)
-    turn = [i for p in probes for i in p]
-    assert turn[:10] == ids + ids  # every request in turn, round-robin
-    assert engine.stats.sampled_probe_rounds == len(probes)
+    members: list = []
+    probes = 0
+    for sample, running in zip(drafted[2:], running_then[2:]):
+        if len(running) <= 2:  # the whole batch fits a sample: no sampled probe
+            assert sample == running
+            continue
+        kept = [rid for rid in running if rid in members]
+        expected = kept + [rid for rid in reversed(running) if rid not in kept]
+        expected = [rid for rid in running if rid in expected[:2]]  # in batch order
+        assert sample == expected
+        members, probes = sample, probes + 1
+    assert probes >= 3 and engine.stats.sampled_probe_rounds == probes
+    assert len({tuple(p) for p in drafted[2:]}) >= 2  # the sample changed as requests finished
     assert max(engine.stats.capacity) == 0
-    assert [requests[i].output_ids for i in ids] == reference_greedy[:5]
+    for rid, n, reference in zip(ids, max_tokens, reference_greedy[:5]):
+        assert requests[rid].output_ids == reference[:n]
 
 
 def test_async_topk_drafts_only_the_positions_it_can_verify(tiny_target, reference_greedy):
@@ -463,3 +478,40 @@ def test_engine_config_rejects_a_probe_cap_below_the_interval():
     with pytest.raises(ValueError, match="max_probe_interval"):
         EngineConfig(probe_interval=8, max_probe_interval=4)
     assert EngineConfig(probe_interval=0, max_probe_interval=0).max_probe_interval == 0
+
+
+@pytest.mark.parametrize("slope", [0.01, 0.002])  # K stays 0 (probes only) / K > 0 at times
+def test_held_features_give_the_drafter_the_same_context(tiny_target, slope):
+    """With `hold_features`, requests not drafted in a round leave their features with the
+    verifier until they are next drafted: the drafter must see the same context in the same
+    order, so every round's confidences and every output token equal a run that hands the
+    drafter every round's features at once (sampled, chunked prefill, probes of a sample)."""
+    table = CostTable.from_step_seconds({b: 0.01 + slope * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    runs = []
+    for hold in (False, True):
+        engine = make_engine(tiny_target[0], "async_topk", max_running=4, table=table,
+                             probe_interval=2, max_probe_interval=4, probe_requests=2,
+                             prefill_chunk_tokens=3, hold_features=hold)
+        taken = []
+        take = engine.verifier.take_features
+
+        def recording_take(ids, take=take, taken=taken):
+            taken.append(list(ids))
+            return take(ids)
+
+        engine.verifier.take_features = recording_take
+        records = []
+        engine.round_observer = records.append
+        done = engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=7), max_tokens=20)
+        runs.append(([r.output_ids for r in done], records, taken, engine))
+    (plain_out, plain_records, plain_taken, _), (held_out, held_records, taken, engine) = runs
+    assert held_out == plain_out
+    assert len(held_records) == len(plain_records)
+    for a, b in zip(plain_records, held_records):
+        assert a.request_ids == b.request_ids and a.num_admitted == b.num_admitted
+        assert torch.equal(a.confidences, b.confidences)
+    assert not plain_taken and taken  # only the holding run asked for held features
+    stats = engine.stats
+    assert stats.sampled_probe_rounds and stats.skipped_draft_rounds
+    assert (max(stats.capacity) > 0) == (slope < 0.01)
+    assert not engine._held and not engine.verifier.stash._pieces  # all taken or released

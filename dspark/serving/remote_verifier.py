@@ -6,6 +6,11 @@ fails because the verifier is unavailable or no longer holds a request (NOT_FOUN
 the verifier to come back, re-prefills those requests' caches from their tokens (`restore`) and
 retries the call. Greedy requests then continue token for token as if nothing happened; sampled
 ones continue from a fresh random stream (still exact in distribution).
+
+Held features (`hold_features`, dspark.feature_stash) live in the verifier process; a restart
+loses them. So it also remembers, per request, the first position it asked the verifier to hold
+and has not taken back since; a restore asks the new process to hold the restored tokens'
+features from there (`held_from`), and the drafter's context stays whole.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import grpc
 import torch
 
 from dspark.cost_table import CostTable
+from dspark.feature_stash import FeaturePiece
 from dspark.sampling import SamplingParams
 from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import channel
@@ -57,6 +63,8 @@ class RemoteVerifier:
         self.max_context_tokens = int(info.max_context_tokens)
         self.name = info.name
         self._history: dict[str, _History] = {}
+        self._held_from: dict[str, int] = {}
+        """Per request, the first position whose features the verifier holds (not yet taken)."""
 
     # -- the TargetVerifier interface -------------------------------------------------------
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
@@ -82,16 +90,19 @@ class RemoteVerifier:
             items.append(pb.verifier.VerifyItem(
                 request_id=str(req.request_id), anchor_token=int(req.anchor_token),
                 draft_tokens=tokens, draft_probs=probs, draft_indices=indices,
-                sampling=messages.sampling_to_pb(req.sampling)))
+                sampling=messages.sampling_to_pb(req.sampling),
+                hold_features=req.hold_features))
         chunks = [pb.verifier.PrefillItem(request_id=str(c.request_id), prompt_ids=list(c.token_ids),
                                           sampling=messages.sampling_to_pb(c.sampling),
-                                          continued=c.continued, more=not c.final)
+                                          continued=c.continued, more=not c.final,
+                                          hold_features=c.hold_features)
                   for c in prefill]
         ids = [str(r.request_id) for r in requests]
         continued = [str(c.request_id) for c in prefill if c.continued]
         reply = self._call(self._stub.Verify,
                            pb.verifier.VerifyBatchRequest(items=items, prefill=chunks),
                            restore_ids=ids + continued)
+        self._remember_held(requests, prefill)
         outputs = [list(r.output_tokens) for r in reply.results]
         for rid, tokens in zip(ids, outputs):
             if rid in self._history:
@@ -109,6 +120,22 @@ class RemoteVerifier:
                             step_seconds=float(reply.step_seconds), prefill=chunk_out,
                             prefill_tokens=int(reply.prefill_tokens))
 
+    def _remember_held(self, requests: Sequence[VerifyRequest],
+                       prefill: Sequence[PrefillChunk]) -> None:
+        """Where each request's held features start (before the call's tokens are recorded)."""
+        for req in requests:
+            rid = str(req.request_id)
+            if req.hold_features and rid in self._history and rid not in self._held_from:
+                h = self._history[rid]
+                self._held_from[rid] = len(h.prompt_ids) + len(h.produced) - 1  # the anchor
+        for chunk in prefill:
+            rid = str(chunk.request_id)
+            if not chunk.continued:
+                self._held_from.pop(rid, None)  # a first chunk replaces whatever was held
+            if chunk.hold_features and rid not in self._held_from:
+                h = self._history.get(rid)
+                self._held_from[rid] = len(h.prompt_ids) if chunk.continued and h else 0
+
     def _remember_chunks(self, prefill: Sequence[PrefillChunk], first: list[int | None]) -> None:
         """History of chunked prompts: the tokens read so far (what a restore re-reads), then the
         first token once the prompt is complete."""
@@ -121,9 +148,25 @@ class RemoteVerifier:
             if token is not None:
                 history.produced.append(token)
 
+    def take_features(self, request_ids: Sequence[Hashable]) -> list[list[FeaturePiece]]:
+        """The features the verifier held for these requests: one piece each (none where
+        nothing is held), forgotten there."""
+        ids = [str(r) for r in request_ids]
+        reply = self._call(self._stub.TakeFeatures,
+                           pb.verifier.TakeFeaturesRequest(request_ids=ids), restore_ids=ids)
+        taken = []
+        for rid, held in zip(ids, reply.results):
+            self._held_from.pop(rid, None)
+            features = tensor_codec.decode(held.features)
+            positions, tokens = (tensor_codec.decode(held.positions),
+                                 tensor_codec.decode(held.token_ids))
+            taken.append([] if features is None else [FeaturePiece(features, positions, tokens)])
+        return taken
+
     def release(self, request_id: Hashable) -> None:
         rid = str(request_id)
         self._history.pop(rid, None)
+        self._held_from.pop(rid, None)
         try:
             self._stub.Release(pb.verifier.ReleaseRequest(request_ids=[rid]), timeout=5.0,
                                metadata=outgoing_metadata())
@@ -169,7 +212,8 @@ class RemoteVerifier:
             h = self._history[rid]
             items.append(pb.verifier.PrefillItem(request_id=rid,
                                                  prompt_ids=h.prompt_ids + h.produced[:-1],
-                                                 sampling=messages.sampling_to_pb(h.sampling)))
+                                                 sampling=messages.sampling_to_pb(h.sampling),
+                                                 held_from=self._held_from.get(rid)))
         self._stub.Prefill(pb.verifier.PrefillRequest(items=items, restore=True),
                            metadata=outgoing_metadata(), wait_for_ready=True,
                            timeout=max(1.0, deadline - time.monotonic()))

@@ -104,6 +104,7 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
                     EngineConfig(policy=policy, max_running=config.max_running,
                                  sparse_top_k=config.sparse_top_k or None,
                                  probe_requests=config.probe_requests,
+                                 hold_features=config.hold_features,
                                  min_gain=config.min_gain,
                                  prefill_chunk_tokens=config.prefill_chunk_tokens,
                                  update_cost_table=config.update_cost_table, objective=objective))

@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from dspark.cost_table import CostTable
+from dspark.feature_stash import FeaturePiece, joined
 from dspark.models.kv_cache import KVCacheFull
 from dspark.serving import messages, tensor_codec
 from dspark.serving.idle_expiry import IdleExpiry
@@ -94,6 +95,12 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                 for rid, g in zip(ids, generators):
                     self._generators[rid] = g
                     self._idle.touch(rid)
+                for item, rid, prompt, f in zip(request.items, ids, prompts, out.features):
+                    if item.HasField("held_from") and f is not None:  # a restore's held part
+                        start = int(item.held_from)
+                        self.verifier.stash.hold(rid, FeaturePiece(
+                            f[start:], torch.arange(start, len(prompt)),
+                            torch.tensor(prompt[start:], dtype=torch.int64)))
             results = [pb.verifier.PrefillResult(
                 first_token=int(t), features=pb.common.Tensor() if request.restore
                 else tensor_codec.encode(f)) for t, f in zip(out.first_tokens, out.features)]
@@ -101,6 +108,11 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
 
     def _check_prefill(self, request):
         self._check_prompts(request.items)
+        for item in request.items:
+            if item.HasField("held_from") and not (
+                    request.restore and 0 <= item.held_from <= len(item.prompt_ids)):
+                raise ValueError(f"{item.request_id}: held_from {item.held_from} needs a restore "
+                                 f"and a position in 0..{len(item.prompt_ids)}")
         return ([item.request_id for item in request.items],
                 [list(item.prompt_ids) for item in request.items],
                 [messages.sampling_from_pb(item.sampling) for item in request.items])
@@ -173,7 +185,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         if not item.continued:
             self._generators[item.request_id] = params.generator()
         return PrefillChunk(item.request_id, list(item.prompt_ids), not item.more, params,
-                            self._generators.get(item.request_id), continued=item.continued)
+                            self._generators.get(item.request_id), continued=item.continued,
+                            hold_features=item.hold_features)
 
     def _verify_request(self, item, runner) -> VerifyRequest:
         block, n = messages.admitted_drafts_from_pb(item, self.verifier.vocab_size)
@@ -182,7 +195,30 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                              f"{self.limits.max_context_tokens} tokens")
         return VerifyRequest(item.request_id, int(item.anchor_token), block, n,
                              messages.sampling_from_pb(item.sampling),
-                             self._generators.get(item.request_id))
+                             self._generators.get(item.request_id),
+                             hold_features=item.hold_features)
+
+    def TakeFeatures(self, request, context):
+        with self._span("verifier.take_features", context) as span:
+            span.set_attribute("dspark.num_requests", len(request.request_ids))
+            with self._lock:
+                missing = [rid for rid in request.request_ids
+                           if not self.verifier.runner.has_request(rid)]
+                if missing:
+                    context.abort(grpc.StatusCode.NOT_FOUND,
+                                  f"requests not held by this verifier: {','.join(missing)}")
+                taken = self.verifier.take_features(list(request.request_ids))
+                for rid in request.request_ids:
+                    self._idle.touch(rid)
+            results = []
+            for rid, pieces in zip(request.request_ids, taken):
+                piece = joined(pieces) if pieces else None
+                results.append(pb.verifier.HeldFeatures(
+                    request_id=rid,
+                    features=tensor_codec.encode(None if piece is None else piece.features),
+                    positions=tensor_codec.encode(None if piece is None else piece.positions),
+                    token_ids=tensor_codec.encode(None if piece is None else piece.token_ids)))
+            return pb.verifier.TakeFeaturesReply(results=results)
 
     def Release(self, request, context):
         with self._lock:

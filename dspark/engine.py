@@ -80,9 +80,10 @@ class EngineConfig:
     that are never drafted is never projected (or, with a remote drafter, never sent). 0 = every
     probe drafts every request."""
     hold_features: bool = True
-    """In rounds that do not draft a request (async_topk skipping, or a probe's other requests),
-    its target features stay with the verifier (`VerifyRequest.hold_features`) until the drafter
-    next drafts it (`take_features`): with a remote verifier they then cross the wire only for
+    """async_topk, once a probe found nothing to verify (until a round verifies drafts again): in
+    rounds that do not draft a request (skipping, or a probe's other requests), its target
+    features stay with the verifier (`VerifyRequest.hold_features`) until the drafter next
+    drafts it (`take_features`). With a remote verifier they then cross the wire only for
     requests that are drafted. The drafter sees the same context in the same order either way."""
 
     plain_check_interval: int = 16
@@ -386,10 +387,13 @@ class Engine:
         if drafting and steady and self.config.update_cost_table:
             # Drafting as the round pays for it: the drafter's call and the admission after it.
             self.cost_table.observe_draft(verify_start - draft_start, len(running))
-        # A round that skips drafting, or a probe, leaves the features of the requests it did
-        # not draft with the verifier; a plain check does not (the whole batch drafts next).
+        # Once a probe found nothing to verify (and no round has verified drafts since), a round
+        # that skips drafting, or a probe, leaves the features of the requests it does not draft
+        # with the verifier. While drafts are verified, rounds without drafts come between
+        # drafting rounds that draft the whole batch, and holding would only add a call to take
+        # the features back; a plain check is such a round.
         holding = (self.speculative and self.config.hold_features and not plain_check
-                   and len(drafted_ids) < len(running))
+                   and self._fruitless_load is not None and len(drafted_ids) < len(running))
         hold = [holding and r.request_id not in drafted_ids or r.request_id in self._held
                 for r in running]
         chunks = [self._holding_chunk(chunk, holding) for _, chunk in planned]

@@ -131,8 +131,9 @@ class SchedulerConfig(TracingFields):
     probe_requests: int = _field(4, "async_topk: a probe (a round whose K is known to be 0) "
                                     "drafts at most this many requests (those of the last "
                                     "probe still running, then the newest); 0 = all")
-    hold_features: bool = _field(True, "async_topk: the verifier keeps the features of requests "
-                                       "a round does not draft until they are drafted")
+    hold_features: bool = _field(True, "async_topk, after a fruitless probe: the verifier keeps "
+                                       "the features of requests a round does not draft until "
+                                       "they are drafted")
     min_gain: float = _field(1.05, "async_topk: verify drafts only when the expected tokens/s "
                                    "gain at least this factor over none; 1 = plain argmax")
     update_cost_table: bool = _field(True, "refresh SPS(B) from measured verification steps")

@@ -69,11 +69,6 @@ class FeatureStash:
         """The request's held pieces in order (empty if none); they are forgotten here."""
         return self._pieces.pop(request_id, [])
 
-    def held_from(self, request_id: Hashable) -> int | None:
-        """The first held position of the request, None if nothing is held."""
-        held = self._pieces.get(request_id)
-        return int(held[0].positions[0]) if held else None
-
     def drop(self, request_id: Hashable) -> None:
         self._pieces.pop(request_id, None)
 

@@ -212,12 +212,14 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     self._idle.touch(rid)
             results = []
             for rid, pieces in zip(request.request_ids, taken):
-                piece = joined(pieces) if pieces else None
+                if not pieces:  # nothing held: empty tensors
+                    results.append(pb.verifier.HeldFeatures(request_id=rid))
+                    continue
+                piece = joined(pieces)
                 results.append(pb.verifier.HeldFeatures(
-                    request_id=rid,
-                    features=tensor_codec.encode(None if piece is None else piece.features),
-                    positions=tensor_codec.encode(None if piece is None else piece.positions),
-                    token_ids=tensor_codec.encode(None if piece is None else piece.token_ids)))
+                    request_id=rid, features=tensor_codec.encode(piece.features),
+                    positions=tensor_codec.encode(piece.positions),
+                    token_ids=tensor_codec.encode(piece.token_ids)))
             return pb.verifier.TakeFeaturesReply(results=results)
 
     def Release(self, request, context):

@@ -18,3 +18,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # gRPC stubs from protos/ (gitignored; dspark/serving/protos.py also regenerates stale ones).
 .venv/bin/python -m dspark.serving.protos >/dev/null
+# Build the paged-attention CPU kernel now (about a minute, cached in ~/.cache/torch_extensions),
+# so that the first runner a service or test starts does not pay for it; without a compiler the
+# runner uses per-request SDPA instead.
+.venv/bin/python -c "from dspark.models.paged_attention import cpu_kernel_available as ok; ok()" >/dev/null 2>&1 || true

@@ -26,6 +26,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import KVCacheFull, PagedKVCache, RequestId
 from dspark.models.loader import load_model, resolve_dtype
 from dspark.models.packed_linear import packing_available
+from dspark.models.paged_attention import cpu_kernel_available
 from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
 
 __all__ = ["RunnerConfig", "ForwardItem", "ForwardOutput", "TargetRunner", "KVCacheFull",
@@ -48,8 +49,9 @@ class RunnerConfig:
     """Chunk size: at most this many new tokens go through one model forward (chunked prefill)."""
     hidden_layer_ids: tuple[int, ...] = ()
     """Decoder layers whose outputs `forward` returns for every new token (DeepSpec's target_layer_ids)."""
-    attention: AttentionImpl = AttentionImpl.PER_REQUEST
-    """Per-request SDPA calls; measured faster on CPU than one block-diagonal call (see docs)."""
+    attention: AttentionImpl | None = None
+    """None: PAGED on a CPU where its C++ kernel builds (else PER_REQUEST), PADDED elsewhere (one
+    batched SDPA call per layer; no per-request launches on a GPU). See `AttentionImpl`."""
     cpu_upcast_min_rows: int | None = 2
     """CPU with bf16/fp16 weights: matrix products over at least this many rows run in float32
     (transformer.Linear; measured 1.7-4x faster at 2-8 rows on an AVX2 CPU). None: never. Ignored
@@ -140,6 +142,7 @@ class TargetRunner:
         self.model.set_upcast_min_rows(config.cpu_upcast_min_rows if low_precision_cpu else None)
         if config.cpu_packed_weights and packing_available(self.device, self.dtype):
             self.model.pack_linear_weights()
+        self.attention = config.attention or default_attention(self.device)
         mc = self.model_config
         bad = [i for i in config.hidden_layer_ids if not 0 <= i < mc.num_hidden_layers]
         if bad:
@@ -246,9 +249,12 @@ class TargetRunner:
         group = self.model_config.num_queries_per_kv
         layer_ids = self.config.hidden_layer_ids
         for pieces in self._plan(items):
-            batch, logit_rows = self._flat_batch(items, old_lengths, pieces)
-            batch.prepare(self.config.attention, group, self.cache)
-            h, hidden = self.model(batch, self.cache, self.config.attention, layer_ids)
+            if self.attention in (AttentionImpl.PAGED, AttentionImpl.PADDED):
+                batch, logit_rows = self._table_batch(items, old_lengths, pieces)
+            else:
+                batch, logit_rows = self._flat_batch(items, old_lengths, pieces)
+            batch.prepare(self.attention, group, self.cache)
+            h, hidden = self.model(batch, self.cache, self.attention, layer_ids)
             rows = torch.tensor(list(itertools.chain.from_iterable(logit_rows)), dtype=torch.int64)
             logits = self.model.compute_logits(h.index_select(0, rows.to(self.device)))
             row = token = 0
@@ -272,7 +278,7 @@ class TargetRunner:
         positions, slot_mapping, gather_blocks = [], [], []
         query_lens, context_lens, in_place, context_offsets, logit_rows = [], [], [], [], []
         # The block-diagonal mask needs every context in one gathered tensor.
-        allow_in_place = self.config.attention is AttentionImpl.PER_REQUEST
+        allow_in_place = self.attention is AttentionImpl.PER_REQUEST
         for piece in pieces:
             it = items[piece.item]
             first_pos = old_lengths[piece.item] + piece.start
@@ -305,6 +311,60 @@ class TargetRunner:
             gather_blocks=torch.tensor(gather_blocks, dtype=torch.int64).to(device),
         )
         return batch, logit_rows
+
+
+    def _table_batch(self, items: Sequence[ForwardItem], old_lengths: list[int],
+                     pieces: list[_Piece]) -> tuple[FlatBatch, list[list[int]]]:
+        """Metadata of one pass for the block-table attentions (PAGED, PADDED), built with a
+        constant number of tensor ops whatever the number of requests: block tables, per-token
+        positions and cache slots, query starts and context lengths."""
+        manager = self.cache.manager
+        block_size = manager.block_size
+        token_ids: list[int] = []
+        query_lens, context_lens, tables, logit_rows = [], [], [], []
+        for piece in pieces:
+            it = items[piece.item]
+            ctx_len = old_lengths[piece.item] + piece.end
+            offset = len(token_ids)
+            logit_rows.append(list(range(offset + max(piece.start, it.first_logit) - piece.start,
+                                         offset + piece.end - piece.start)))
+            token_ids.extend(it.token_ids[piece.start:piece.end])
+            query_lens.append(piece.end - piece.start)
+            context_lens.append(ctx_len)
+            tables.append(manager.block_ids(it.request_id, ctx_len))
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)  # [R, width]
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)  # [R]
+        ctx_lens = torch.tensor(context_lens, dtype=torch.int64)  # [R]
+        query_start = torch.zeros(len(pieces) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start[1:])  # [R + 1]
+        request_of_token = torch.repeat_interleave(torch.arange(len(pieces)), q_lens)  # [num_tokens]
+        index_in_query = torch.arange(len(token_ids)) - query_start[request_of_token]  # [num_tokens]
+        positions = (ctx_lens - q_lens)[request_of_token] + index_in_query  # [num_tokens]
+        slot_mapping = block_tables[request_of_token, positions // block_size] * block_size + positions % block_size
+        device = self.device
+        batch = FlatBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
+            positions=positions.to(device),
+            slot_mapping=slot_mapping.to(device),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            context_in_place=[False] * len(pieces),
+            context_offsets=[0] * len(pieces),
+            gather_blocks=torch.empty(0, dtype=torch.int64, device=device),
+            block_tables=block_tables.to(device),
+            query_start=query_start.to(device),
+            query_lens_t=q_lens.to(device),
+            context_lens_t=ctx_lens.to(device),
+        )
+        return batch, logit_rows
+
+
+def default_attention(device: torch.device) -> AttentionImpl:
+    """PAGED on a CPU where its kernel builds, else per-request SDPA; PADDED on other devices."""
+    if device.type != "cpu":
+        return AttentionImpl.PADDED
+    return AttentionImpl.PAGED if cpu_kernel_available() else AttentionImpl.PER_REQUEST
 
 
 def generate_greedy(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int,

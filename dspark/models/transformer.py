@@ -15,8 +15,19 @@ Grouped-query attention without copying K/V: the `num_queries_per_kv` query head
 KV head are stacked along the sequence axis, so one SDPA call per KV head group sees
 q [num_kv_heads, group * q_len, head_dim] against k, v [num_kv_heads, context_len, head_dim].
 
-Attention implementation (AttentionImpl.PER_REQUEST is the default). Measured on this 2-core CPU
-(SmolLM2-135M fp32, 1 thread, context 300 per request, whole forward, median of 5):
+Attention implementations (`AttentionImpl`; the runner picks PAGED on a CPU where its C++ kernel
+builds, PADDED on a GPU):
+
+- PAGED: one kernel call per layer for the whole batch, each (request, KV head) reading its
+  context in place through the block table (`dspark.models.paged_attention`). Its cost grows
+  with the K/V read, not with the number of requests: at 64 decode streams it removes the
+  1,920 SDPA calls per step (30 layers x 64) of PER_REQUEST, each ~0.05 ms of call overhead.
+- PADDED: contexts gathered into one padded batch and one SDPA call per layer (a constant number
+  of launches: what a GPU wants; on a CPU the gathered copy makes it the slowest at 256 streams).
+- PER_REQUEST: one SDPA call per request over its own context (read in place when its blocks are
+  consecutive); the fallback on a CPU without a compiler. Measured on a 2-core CPU
+  (SmolLM2-135M fp32, 1 thread, context 300 per request, whole forward, median of 5) against
+- BLOCK_DIAGONAL: one SDPA call over all contexts with a block-diagonal mask:
 
     requests x new tokens   B    per_request   block_diagonal
     1 x 1                   1      121 ms        132 ms
@@ -25,10 +36,7 @@ Attention implementation (AttentionImpl.PER_REQUEST is the default). Measured on
     16 x 1                 16      487 ms        905 ms
     16 x 4                 64     1022 ms       1932 ms
 
-One SDPA call per request reads that request's context where it lies in the paged cache (no copy
-when its blocks are consecutive, see kv_cache.py), and its work grows with sum_r q_len_r * ctx_r.
-One block-diagonal call saves the per-call overhead (~0.1 ms) but multiplies every query by every
-request's context and needs all contexts gathered into one tensor: it only ties at one request.
+  Block-diagonal multiplies every query by every request's context: it only ties at one request.
 """
 
 from __future__ import annotations
@@ -43,11 +51,19 @@ from torch import nn
 from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import PagedKVCache
 from dspark.models.packed_linear import pack_weight, packed_linear
+from dspark.models.paged_attention import paged_attention, padded_attention
 
 
 class AttentionImpl(enum.Enum):
-    """How attention over the flattened batch is computed (both give the same numbers)."""
+    """How attention over the flattened batch is computed (all give the same numbers up to float
+    rounding)."""
 
+    PAGED = "paged"
+    """One call per layer of the C++ kernel that reads every context in place through the block
+    tables (CPU; `dspark.models.paged_attention`). The CPU default where the kernel builds."""
+    PADDED = "padded"
+    """One SDPA call per layer over all contexts gathered into a padded batch (any device; a
+    constant number of kernel launches whatever the batch, the GPU default)."""
     PER_REQUEST = "per_request"
     """One SDPA call per request over its own context (work ~ sum_r q_len_r * ctx_len_r)."""
     BLOCK_DIAGONAL = "block_diagonal"
@@ -83,6 +99,15 @@ class FlatBatch:
     """PER_REQUEST: per request whose context is read in place, views of its keys and values in
     every layer, each [num_layers, 1, num_kv_heads, context_len, head_dim] (None: gathered). Made
     once per forward (`bind_cache`), so a layer takes a request's context with one indexing op."""
+    block_tables: torch.Tensor | None = None
+    """PAGED / PADDED: int64 [num_requests, max_blocks], each request's blocks in order (a short
+    table is padded with block 0, never read)."""
+    query_start: torch.Tensor | None = None
+    """PAGED: int64 [num_requests + 1], request r's new tokens are rows query_start[r] .. query_start[r+1]-1."""
+    query_lens_t: torch.Tensor | None = None
+    """PADDED: int64 [num_requests], `query_lens` on the device."""
+    context_lens_t: torch.Tensor | None = None
+    """PAGED / PADDED: int64 [num_requests], `context_lens` on the device."""
     block_mask: torch.Tensor | None = None
     """BLOCK_DIAGONAL: bool [group * num_tokens, num_context_blocks * block_size]."""
     unused_rows: torch.Tensor | None = None
@@ -106,6 +131,9 @@ class FlatBatch:
     def prepare(self, impl: AttentionImpl, group: int, cache: PagedKVCache) -> None:
         """Build the attention masks and context views `impl` needs (once per forward, before the layers)."""
         device = self.token_ids.device
+        if impl in (AttentionImpl.PAGED, AttentionImpl.PADDED):
+            assert self.block_tables is not None, "PAGED / PADDED batches carry block tables"
+            return
         if impl is AttentionImpl.PER_REQUEST:
             self.bind_cache(cache)
             self.masks = []
@@ -256,7 +284,14 @@ class Attention(nn.Module):
             q = apply_rope(self.q_norm(qkv[:, :self.num_heads]), cos, sin)
             k = apply_rope(self.k_norm(qkv[:, self.num_heads:self.num_heads + self.num_kv_heads]), cos, sin)
         cache.write(layer, batch.slot_mapping, k, v)
-        if impl is AttentionImpl.BLOCK_DIAGONAL:
+        if impl is AttentionImpl.PAGED:
+            out = paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
+                                  batch.query_start, batch.context_lens_t, self.scale)
+        elif impl is AttentionImpl.PADDED:
+            out = padded_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
+                                   batch.query_lens_t, batch.context_lens_t, self.scale,
+                                   max(batch.query_lens), max(batch.context_lens))
+        elif impl is AttentionImpl.BLOCK_DIAGONAL:
             out = self._block_diagonal(q, batch, cache, layer)
         else:
             out = self._per_request(q, batch, cache, layer)

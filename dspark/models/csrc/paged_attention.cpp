@@ -1,0 +1,188 @@
+// Causal attention of a flattened variable-length batch straight from the paged KV cache, on a CPU.
+//
+// One call per layer serves every request of the batch: decode steps (1 new token), verification
+// (anchor + drafts) and prefill chunks alike. Work is split over (request, KV head) pairs; each
+// pair reads its request's keys and values once, block by block through the block table, and
+// reuses them for all of the request's new tokens times the query heads of its KV group, so memory
+// traffic is the K/V of the contexts, read once, with no gathered copy and no per-request launch.
+//
+// Shapes (T = total new tokens, R = requests, H = query heads, KVH = KV heads, D = head_dim):
+//   q             [T, H, D]                      the new tokens' queries (after RoPE)
+//   k_cache       [num_blocks, block_size, KVH, D]  one layer's keys (this step's already written)
+//   v_cache       [num_blocks, block_size, KVH, D]
+//   block_tables  [R, max_blocks] int64          request r's blocks in order (unused tail: any value)
+//   query_start   [R + 1] int64                  request r owns q rows query_start[r] .. query_start[r+1]-1
+//   context_lens  [R] int64                      cached + new tokens of request r
+//   out           [T, H, D]                      written
+// New token i of request r (0-based among its q_len new tokens) sits at position
+// context_len - q_len + i and attends to positions 0 .. that position.
+//
+// Arithmetic in float32 whatever the storage dtype: scores q.k * scale, a max-subtracted softmax
+// over each query's visible positions, then the softmax-weighted sum of values. Equal to SDPA's
+// math up to float rounding (another summation order).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+inline void load_row(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+template <>
+inline void load_row<float>(const float* src, float* dst, int64_t n) {
+  std::copy(src, src + n, dst);
+}
+
+template <typename scalar_t>
+void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& query_start, const torch::Tensor& context_lens,
+                            double scale, torch::Tensor& out) {
+  const int64_t num_requests = context_lens.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
+
+  // Strides in elements (the cache and q are contiguous, checked by the caller).
+  const int64_t q_token_stride = num_heads * head_dim;
+  const int64_t kv_slot_stride = num_kv_heads * head_dim;
+  const int64_t kv_block_stride = block_size * kv_slot_stride;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries, scores, accum, row(head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / num_kv_heads;
+      const int64_t h = task % num_kv_heads;
+      const int64_t q_first = starts[r];
+      const int64_t q_len = starts[r + 1] - q_first;
+      const int64_t ctx_len = ctx_lens[r];
+      if (q_len == 0) continue;
+      const int64_t num_rows = q_len * group;  // query rows of this (request, KV head)
+      const int64_t first_pos = ctx_len - q_len;
+      // queries [num_rows, head_dim] in float32, row j = (new token j / group, head h*group + j % group)
+      queries.resize(num_rows * head_dim);
+      for (int64_t j = 0; j < num_rows; ++j) {
+        const scalar_t* src = q_ptr + (q_first + j / group) * q_token_stride + (h * group + j % group) * head_dim;
+        load_row(src, queries.data() + j * head_dim, head_dim);
+      }
+      // scores [num_rows, ctx_len]; row j sees positions 0 .. first_pos + j / group
+      scores.resize(num_rows * ctx_len);
+      const int64_t* table = tables + r * max_blocks;
+      for (int64_t pos = 0; pos < ctx_len; ++pos) {
+        const scalar_t* k_src = k_ptr + table[pos / block_size] * kv_block_stride +
+                                (pos % block_size) * kv_slot_stride + h * head_dim;
+        load_row(k_src, row.data(), head_dim);
+        // rows that see `pos`: new token index i >= pos - first_pos
+        const int64_t first_row = std::max<int64_t>(0, pos - first_pos) * group;
+        for (int64_t j = first_row; j < num_rows; ++j) {
+          const float* __restrict qj = queries.data() + j * head_dim;
+          const float* __restrict kr = row.data();
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * kr[d];
+          scores[j * ctx_len + pos] = dot * fscale;
+        }
+      }
+      // softmax per row over its visible positions, in place
+      for (int64_t j = 0; j < num_rows; ++j) {
+        const int64_t visible = first_pos + j / group + 1;
+        float* s = scores.data() + j * ctx_len;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < visible; ++p) mx = std::max(mx, s[p]);
+        float sum = 0.f;
+        for (int64_t p = 0; p < visible; ++p) {
+          s[p] = std::exp(s[p] - mx);
+          sum += s[p];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < visible; ++p) s[p] *= inv;
+      }
+      // accum [num_rows, head_dim] = weights @ values
+      accum.assign(num_rows * head_dim, 0.f);
+      for (int64_t pos = 0; pos < ctx_len; ++pos) {
+        const scalar_t* v_src = v_ptr + table[pos / block_size] * kv_block_stride +
+                                (pos % block_size) * kv_slot_stride + h * head_dim;
+        load_row(v_src, row.data(), head_dim);
+        const int64_t first_row = std::max<int64_t>(0, pos - first_pos) * group;
+        for (int64_t j = first_row; j < num_rows; ++j) {
+          const float w = scores[j * ctx_len + pos];
+          float* __restrict acc = accum.data() + j * head_dim;
+          const float* __restrict vr = row.data();
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * vr[d];
+        }
+      }
+      for (int64_t j = 0; j < num_rows; ++j) {
+        scalar_t* dst = out_ptr + (q_first + j / group) * q_token_stride + (h * group + j % group) * head_dim;
+        const float* acc = accum.data() + j * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& query_start, const torch::Tensor& context_lens,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [T,H,D], caches [NB,BS,KVH,D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches differ in dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head shapes");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && query_start.scalar_type() == torch::kLong &&
+              context_lens.scalar_type() == torch::kLong, "int64 metadata");
+  TORCH_CHECK(block_tables.is_contiguous() && query_start.is_contiguous() && context_lens.is_contiguous(),
+              "contiguous metadata");
+  const int64_t num_requests = context_lens.size(0);
+  TORCH_CHECK(query_start.size(0) == num_requests + 1 && block_tables.size(0) == num_requests,
+              "metadata lengths");
+  // Bounds: every block a context reads lies in the cache, every query row in q.
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(starts[0] == 0 && starts[num_requests] == q.size(0), "query_start must span q");
+  for (int64_t r = 0; r < num_requests; ++r) {
+    const int64_t q_len = starts[r + 1] - starts[r];
+    TORCH_CHECK(q_len >= 0 && ctx[r] >= q_len, "request ", r, ": context shorter than its new tokens");
+    const int64_t blocks = (ctx[r] + block_size - 1) / block_size;
+    TORCH_CHECK(blocks <= max_blocks, "request ", r, ": context beyond its block table");
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t id = tables[r * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "request ", r, ": block id ", id, " outside the cache");
+    }
+  }
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    paged_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "causal attention of a flattened batch from a paged KV cache (CPU)");
+}

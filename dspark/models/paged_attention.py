@@ -1,0 +1,137 @@
+"""Causal attention of a flattened batch read straight from the paged KV cache.
+
+Two implementations of one function, `paged_attention(q, k_cache, v_cache, block_tables,
+query_start, context_lens, scale) -> out`, with the shapes of `csrc/paged_attention.cpp`:
+
+- **CPU**: a C++ kernel (`csrc/paged_attention.cpp`), compiled on first use with
+  `torch.utils.cpp_extension` and cached (in `TORCH_EXTENSIONS_DIR`, default
+  `~/.cache/torch_extensions`). One call per layer for the whole batch; each (request, KV head)
+  pair reads its context's K/V once through the block table, with no gathered copy. Where no C++
+  compiler is found it is unavailable (`cpu_kernel_available()`) and the runner falls back to
+  per-request SDPA.
+- **Any device** (`padded_attention`): the contexts gathered into one padded
+  [num_requests, num_kv_heads, max_context, head_dim] tensor and one SDPA call with a causal
+  padding mask: a constant number of kernel launches whatever the batch, which is what a GPU wants.
+
+Both equal `reference_attention` (a per-request loop over plain SDPA) up to float rounding; the
+tests hold them together.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["paged_attention", "padded_attention", "reference_attention", "cpu_kernel_available"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _cpu_extension():
+    """The compiled CPU kernel module, or None where it cannot be built here."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="dspark_paged_attention", sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler headers, no ninja: fall back, and say why once
+        _log.warning("paged attention CPU kernel unavailable (%s); per-request SDPA is used", exc)
+        return None
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the C++ kernel builds (or is already built) on this machine."""
+    return _cpu_extension() is not None
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim] (CPU kernel).
+
+    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; block_tables
+    [num_requests, max_blocks] int64; query_start [num_requests + 1] int64; context_lens
+    [num_requests] int64 (all on the CPU).
+    """
+    ext = _cpu_extension()
+    if ext is None:
+        raise RuntimeError("the paged attention CPU kernel is not available on this machine")
+    return ext.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, query_start,
+                               context_lens, float(scale))
+
+
+def padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float, max_query_len: int, max_context_len: int) -> torch.Tensor:
+    """The same attention with one SDPA call over padded contexts (any device).
+
+    q [num_tokens, num_heads, head_dim]; query_lens, context_lens [num_requests] int64 on q's
+    device; max_query_len / max_context_len: their maxima (Python ints, so no device sync).
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_requests = context_lens.shape[0]
+    device = q.device
+    # slots [num_requests, max_context_len] of each context position (padding: slot 0, masked)
+    pos = torch.arange(max_context_len, device=device)  # [L]
+    blocks = block_tables[:, :-(-max_context_len // block_size)]  # [R, ceil(L / block_size)]
+    slots = blocks.repeat_interleave(block_size, dim=1)[:, :max_context_len] * block_size + pos % block_size
+    valid = pos[None, :] < context_lens[:, None]  # [R, L]
+    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    k = k_cache.flatten(0, 1).index_select(0, slots.flatten())  # [R * L, num_kv_heads, head_dim]
+    v = v_cache.flatten(0, 1).index_select(0, slots.flatten())
+    k = k.view(num_requests, max_context_len, num_kv_heads, head_dim).transpose(1, 2)  # [R, KVH, L, D]
+    v = v.view(num_requests, max_context_len, num_kv_heads, head_dim).transpose(1, 2)
+    # queries padded to [R, KVH, group * max_query_len, D]: row (g, i) = new token i, head h*group+g
+    query_start = torch.cumsum(query_lens, 0) - query_lens  # [R]
+    i = torch.arange(max_query_len, device=device)  # [Q]
+    q_valid = i[None, :] < query_lens[:, None]  # [R, Q]
+    token_of = torch.where(q_valid, query_start[:, None] + i[None, :], torch.zeros_like(q_valid, dtype=torch.int64))
+    q_pad = q.index_select(0, token_of.flatten()).view(num_requests, max_query_len, num_kv_heads, group, head_dim)
+    q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads, group * max_query_len, head_dim)
+    # causal + padding mask [R, 1, group * Q, L]: new token i of request r sees positions
+    # 0 .. context_len - query_len + i; padded query rows see position 0 (a finite row, dropped).
+    limit = context_lens[:, None] - query_lens[:, None] + i[None, :]  # [R, Q]
+    limit = torch.where(q_valid, limit, torch.zeros_like(limit))
+    mask = pos[None, None, :] <= limit[:, :, None]  # [R, Q, L]
+    mask = mask[:, None].expand(num_requests, group, max_query_len, max_context_len).reshape(
+        num_requests, 1, group * max_query_len, max_context_len)
+    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=mask, scale=scale)  # [R, KVH, G*Q, D]
+    out = out.view(num_requests, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_requests * max_query_len, num_heads, head_dim)
+    return out.index_select(0, torch.nonzero(q_valid.flatten()).flatten())  # [num_tokens, H, D]
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: list[list[int]], query_lens: list[int], context_lens: list[int],
+                        scale: float) -> torch.Tensor:
+    """Slow and obvious: per request, gather its context token by token and run plain SDPA with a
+    causal mask. q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    outs, start = [], 0
+    for table, q_len, ctx_len in zip(block_tables, query_lens, context_lens):
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx_len)]
+        k = k_cache.flatten(0, 1)[slots].float().transpose(0, 1)  # [KVH, ctx, D]
+        v = v_cache.flatten(0, 1)[slots].float().transpose(0, 1)
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)  # [H, ctx, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        q_r = q[start:start + q_len].float().transpose(0, 1)  # [H, q_len, D]
+        i = torch.arange(q_len)[:, None]
+        j = torch.arange(ctx_len)[None, :]
+        mask = j <= ctx_len - q_len + i  # [q_len, ctx]
+        outs.append(F.scaled_dot_product_attention(q_r, k, v, attn_mask=mask, scale=scale).transpose(0, 1))
+        start += q_len
+    return torch.cat(outs).to(q.dtype)

@@ -1,15 +1,23 @@
-"""Plain greedy decoding: our TargetRunner against transformers `generate` on the same weights.
+"""Plain greedy decoding at 1-256 streams: our TargetRunner against transformers on the same weights.
 
-1 stream and 16 concurrent streams, fp32 and bf16, chat prompts from ../shared/data/eval
-(first turn of each record, chat template). Both sides produce exactly `--new-tokens` tokens per
-stream (transformers with min_new_tokens, ours without stop tokens), including the prefill, and
-run alternately `--repeats` times; the table reports median tokens/s and the ratio ours/HF
-measured in the same run (DESIGN.md section 9: compare as ratios). The "same" column says whether
-the greedy tokens of every stream agree (transformers pads the 16-stream batch on the left, which
-changes its float rounding, so only the 1-stream case is expected to be exact).
+For each dtype and stream count, in one run and taken in turns:
+- **generate**: every stream greedy-decodes exactly `--new-tokens` tokens, the prefill included,
+  with our runner (its default attention), our runner with per-request SDPA (`--baseline-attention`,
+  the path before the block-table kernel), and transformers `generate` (left-padded batch);
+- **decode**: the streams' prompts prefilled, then `--decode-steps` steps of one token per stream,
+  timed alone: decode tokens/s and the achieved GFLOP/s of the weight products;
+- **prefill**: the same prompts in one chunked forward: the ceiling, since a batch of one-token
+  steps does the same products as a prefill of as many tokens;
+- **verify**: a mixed verification batch, each stream appending 1-9 tokens (anchor + 0-8 drafts)
+  at its prompt's end, logits for all of them.
 
-Prints a markdown table and ends with one JSON line. Usage:
-    .venv/bin/python bench/target_decode.py [--model-dir DIR] [--new-tokens 64] [--repeats 3] [--threads N]
+GFLOP/s counts 2 x (decoder weights + LM head weights) per token that needs logits (attention's
+own products are left out, so the figure is what the weight products achieve). Ratios are measured
+in the same run (DESIGN.md section 9); the CPU model and its vector flags are printed beside them.
+
+Prints markdown tables and ends with one JSON line. Usage:
+    .venv/bin/python bench/target_decode.py [--streams 1,16,64,256] [--dtypes float32,bfloat16]
+        [--new-tokens 32] [--decode-steps 8] [--repeats 1] [--threads N] [--no-hf]
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -26,20 +35,37 @@ from pathlib import Path
 import torch
 
 from dspark.fetch import ensure_model
-from dspark.models.runner import RunnerConfig, TargetRunner, generate_greedy
+from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner, generate_greedy
+from dspark.models.transformer import AttentionImpl
 
 EVAL_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "eval"
-GOALS = {1: 1.0, 16: 2.0}  # issue 3: ours/HF tokens-per-second ratio to reach
 
 
-def chat_prompts(tokenizer, count: int) -> list[list[int]]:
-    """First turns of the eval files, round-robin over files, as chat-templated token ids."""
+def chat_prompts(tokenizer, count: int, eval_dir: Path = EVAL_DIR) -> list[list[int]]:
+    """First turns of the eval files, round-robin over files (repeating them past their size), as
+    chat-templated token ids."""
     per_file = [[json.loads(line)["turns"][0] for line in f.read_text().splitlines() if line.strip()]
-                for f in sorted(EVAL_DIR.glob("*.jsonl"))]
-    texts = [rows[i] for i in range(count) for rows in per_file][:count]
+                for f in sorted(Path(eval_dir).glob("*.jsonl"))]
+    texts = [rows[i % len(rows)] for i in range(count) for rows in per_file][:count]
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                                add_generation_prompt=True, tokenize=True,
                                                return_dict=True)["input_ids"]) for t in texts]
+
+
+def cpu_description() -> dict:
+    """The CPU model and the vector flags that decide which kernels run."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+    return {"cpu": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
 
 
 def hf_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -59,16 +85,54 @@ def timed(fn):
     return time.perf_counter() - t0, result
 
 
+def weight_flops_per_token(runner: TargetRunner) -> tuple[float, float]:
+    """(decoder layers, LM head) FLOPs of the weight products for one token."""
+    mc = runner.model_config
+    h, i = mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    layer = 2 * (h * (q + 2 * kv) + q * h + h * 2 * i + i * h)
+    return layer * mc.num_hidden_layers, 2 * h * mc.vocab_size
+
+
+def phases(runner: TargetRunner, prompts: list[list[int]], decode_steps: int,
+           rng: random.Random) -> dict:
+    """Seconds of a prefill of all prompts, then `decode_steps` one-token steps, then one mixed
+    verification forward (1-9 new tokens per stream, logits for all)."""
+    ids = [("bench", i) for i in range(len(prompts))]
+    for rid in ids:
+        runner.add_request(rid)
+    try:
+        prefill_s, out = timed(lambda: runner.forward([ForwardItem(r, p) for r, p in zip(ids, prompts)]))
+        tokens = out.logits.argmax(-1).tolist()
+        decode_s = 0.0
+        for _ in range(decode_steps):
+            t, out = timed(lambda: runner.forward([ForwardItem(r, [t]) for r, t in zip(ids, tokens)]))
+            decode_s += t
+            tokens = out.logits.argmax(-1).tolist()
+        lens = [rng.randint(1, 9) for _ in ids]
+        verify_items = [ForwardItem(r, [tok] * n, logits_from=0) for r, tok, n in zip(ids, tokens, lens)]
+        verify_s, _ = timed(lambda: runner.forward(verify_items))
+    finally:
+        for rid in ids:
+            runner.free(rid)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "verify_s": verify_s,
+            "verify_tokens": sum(lens)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--streams", default="1,16")
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--streams", default="1,16,64,256")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--baseline-attention", default=AttentionImpl.PER_REQUEST.value,
+                        choices=[a.value for a in AttentionImpl])
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers (faster)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for both sides (default: torch's; 1 is steadier on a "
-                             "machine shared with other jobs)")
+                        help="torch threads for every side (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,45 +142,74 @@ def main() -> int:
     model_dir = Path(args.model_dir) if args.model_dir else ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     streams_list = [int(s) for s in args.streams.split(",")]
-    all_prompts = chat_prompts(tokenizer, max(streams_list))
+    all_prompts = chat_prompts(tokenizer, max(streams_list), args.eval_dir)
+    rng = random.Random(0)
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        runner = TargetRunner(model_dir, RunnerConfig(dtype=dtype_name))
+        hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        kv_tokens = max(streams_list) * (max(len(p) for p in all_prompts) + args.new_tokens + 64)
+        ours = TargetRunner(model_dir, RunnerConfig(dtype=dtype_name, kv_cache_tokens=kv_tokens))
+        base = TargetRunner(model_dir, RunnerConfig(
+            dtype=dtype_name, kv_cache_tokens=kv_tokens,
+            attention=AttentionImpl(args.baseline_attention)))
+        layer_flops, head_flops = weight_flops_per_token(ours)
         for streams in streams_list:
             prompts = all_prompts[:streams]
+            times: dict[str, list[float]] = {"hf": [], "ours": [], "base": []}
+            ph: dict[str, list[dict]] = {"ours": [], "base": []}
             with torch.inference_mode():
-                hf_generate(hf, tokenizer, prompts, 4)  # warm-up both
-                generate_greedy(runner, prompts, 4)
-                hf_times, our_times = [], []
+                generate_greedy(ours, prompts[:1], 2)  # warm-up
+                generate_greedy(base, prompts[:1], 2)
                 for _ in range(args.repeats):
-                    t, hf_tokens = timed(lambda: hf_generate(hf, tokenizer, prompts, args.new_tokens))
-                    hf_times.append(t)
-                    t, our_tokens = timed(lambda: generate_greedy(runner, prompts, args.new_tokens))
-                    our_times.append(t)
+                    if hf is not None:
+                        t, hf_tokens = timed(lambda: hf_generate(hf, tokenizer, prompts, args.new_tokens))
+                        times["hf"].append(t)
+                    t, our_tokens = timed(lambda: generate_greedy(ours, prompts, args.new_tokens))
+                    times["ours"].append(t)
+                    t, base_tokens = timed(lambda: generate_greedy(base, prompts, args.new_tokens))
+                    times["base"].append(t)
+                    for name, runner in (("ours", ours), ("base", base)):
+                        ph[name].append(phases(runner, prompts, args.decode_steps, rng))
             total = streams * args.new_tokens
-            print(f"{dtype_name} x{streams}: HF {hf_times} s, ours {our_times} s", file=sys.stderr)
-            hf_tps = total / statistics.median(hf_times)
-            our_tps = total / statistics.median(our_times)
-            rows.append({
-                "dtype": dtype_name, "streams": streams, "hf_tok_s": round(hf_tps, 1),
-                "ours_tok_s": round(our_tps, 1), "ratio": round(our_tps / hf_tps, 2),
-                "goal": GOALS.get(streams), "same_tokens": hf_tokens == our_tokens,
-                "prompt_tokens": [len(p) for p in prompts],
-            })
-        del hf, runner
+            prompt_tokens = sum(len(p) for p in prompts)
+            med = {k: statistics.median(v) for k, v in times.items() if v}
+            row = {"dtype": dtype_name, "streams": streams, "new_tokens": args.new_tokens,
+                   "prompt_tokens": prompt_tokens}
+            for name in ("ours", "base"):
+                p = {k: statistics.median(d[k] for d in ph[name]) for k in ph[name][0]}
+                decode_tps = streams * args.decode_steps / p["decode_s"]
+                row[f"{name}_gen_tok_s"] = round(total / med[name], 1)
+                row[f"{name}_decode_tok_s"] = round(decode_tps, 1)
+                row[f"{name}_decode_gflops"] = round(decode_tps * (layer_flops + head_flops) / 1e9, 1)
+                row[f"{name}_prefill_tok_s"] = round(prompt_tokens / p["prefill_s"], 1)
+                row[f"{name}_verify_tok_s"] = round(p["verify_tokens"] / p["verify_s"], 1)
+            row["ours_decode_over_prefill"] = round(row["ours_decode_tok_s"] / row["ours_prefill_tok_s"], 2)
+            row["ours_over_base_gen"] = round(med["base"] / med["ours"], 2)
+            row["same_tokens_as_base"] = our_tokens == base_tokens
+            if "hf" in med:
+                row["hf_gen_tok_s"] = round(total / med["hf"], 1)
+                row["ours_over_hf_gen"] = round(med["hf"] / med["ours"], 2)
+                row["same_tokens_as_hf"] = our_tokens == hf_tokens
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+        del hf, ours, base
 
-    print(f"| dtype | streams | transformers tok/s | ours tok/s | ours/HF | goal | same tokens |")
-    print("|---|---|---|---|---|---|---|")
+    cpu = cpu_description()
+    print(f"CPU: {cpu['cpu']}, {cpu['cores']} cores, flags {' '.join(cpu['flags'])}; "
+          f"torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}\n")
+    print("| dtype | streams | gen tok/s: transformers | base | ours | ours/HF | ours/base | "
+          "decode tok/s (GFLOP/s) | prefill tok/s | decode/prefill | verify tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['streams']} | {r['hf_tok_s']} | {r['ours_tok_s']} | "
-              f"{r['ratio']}x | {r['goal'] or '-'}x | {'yes' if r['same_tokens'] else 'no'} |")
-    print(json.dumps({
-        "bench": "target_decode", "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "machine": platform.machine(), "load_avg_1m": os.getloadavg()[0], "rows": rows,
-    }))
+        print(f"| {r['dtype']} | {r['streams']} | {r.get('hf_gen_tok_s', '-')} | {r['base_gen_tok_s']} | "
+              f"{r['ours_gen_tok_s']} | {r.get('ours_over_hf_gen', '-')} | {r['ours_over_base_gen']} | "
+              f"{r['ours_decode_tok_s']} ({r['ours_decode_gflops']}) | {r['ours_prefill_tok_s']} | "
+              f"{r['ours_decode_over_prefill']} | {r['ours_verify_tok_s']} |")
+    print(json.dumps({"bench": "target_decode", "repeats": args.repeats, "decode_steps": args.decode_steps,
+                      "baseline_attention": args.baseline_attention,
+                      "torch_threads": torch.get_num_threads(), **cpu,
+                      "load_avg_1m": os.getloadavg()[0], "rows": rows}))
     return 0
 
 

@@ -17,8 +17,9 @@ many times the throughput there. `--time-budget-s` stops starting new batches af
 
 Output: one JSON object per answered prompt, appended to a `.jsonl` as soon as it finishes, so an
 interrupted run resumes where it stopped (prompts already in the file are skipped):
-`{"id", "source", "split", "prompt_ids", "answer_ids", "finished"}`, where `split` is `train` or
-`heldout` (a deterministic hash of the id; the held-out split calibrates the confidence head).
+`{"id", "source", "split", "prompt_ids", "answer_ids", "finished", "temperature"}`, where `split` is
+`train` or `heldout` (a deterministic hash of the id; the held-out split calibrates the confidence
+head) and `temperature` is the sampling temperature the answer was drawn at (0: greedy).
 """
 
 from __future__ import annotations
@@ -321,7 +322,8 @@ def run_generation(config: DataGenConfig) -> dict:
             f.write(json.dumps({"id": p.id, "source": p.source,
                                 "split": split_of(p.id, config.heldout_fraction),
                                 "prompt_ids": prompt_ids[key], "answer_ids": answer,
-                                "finished": finished}) + "\n")
+                                "finished": finished,
+                                "temperature": config.sampling.temperature}) + "\n")
             f.flush()
             new_tokens += len(answer)
             bar.update(1)

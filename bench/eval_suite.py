@@ -12,7 +12,7 @@ the given methods and checkpoints folder, then prints:
 The last stdout line is one JSON object. Usage:
 
     .venv/bin/python bench/eval_suite.py --checkpoints checkpoints --limit 10 --max-tokens 128 \
-        --temperature 1.0 --threads 2 [--methods dspark,dflash,eagle,mtp1] [--plots docs/results/eval]
+        --temperature 1.0 --threads 2 [--methods dspark,dflash,eagle,mtp1] [--plots docs/results/drafters_eval_plots]
 """
 
 from __future__ import annotations

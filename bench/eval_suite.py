@@ -1,4 +1,4 @@
-"""Issue 4's comparison: `dspark eval` on the four eval sets, macro-averaged, with the goal ratios.
+"""The drafters' comparison: `dspark eval` on the four eval sets, macro-averaged, with the goal ratios.
 
 Runs `dspark eval --json` once per eval set (gsm8k, math500, humaneval, mt-bench first turns) for
 the given methods and checkpoints folder, then prints:

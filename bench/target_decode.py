@@ -29,7 +29,7 @@ from dspark.fetch import ensure_model
 from dspark.models.runner import RunnerConfig, TargetRunner, generate_greedy
 
 EVAL_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "eval"
-GOALS = {1: 1.0, 16: 2.0}  # issue 3: ours/HF tokens-per-second ratio to reach
+GOALS = {1: 1.0, 16: 2.0}  # ours/HF tokens-per-second ratio to reach (DESIGN.md section 10)
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:

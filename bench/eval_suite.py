@@ -35,6 +35,8 @@ def run_eval(dataset: Path, args: argparse.Namespace) -> dict:
            "--methods", args.methods, "--checkpoints", str(args.checkpoints),
            "--temperature", str(args.temperature), "--max-tokens", str(args.max_tokens),
            "--limit", str(args.limit), "--threads", str(args.threads), "--seed", str(args.seed)]
+    if args.model_dir is not None:
+        cmd += ["--model-dir", str(args.model_dir)]
     if args.plots is not None:
         cmd += ["--plots", str(args.plots / f"{dataset.stem}_t{args.temperature:g}")]
     print("[eval_suite] " + " ".join(cmd[2:]), file=sys.stderr, flush=True)
@@ -67,6 +69,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plots", type=Path, default=None)
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the target's folder (default: dspark fetch-model's)")
     args = parser.parse_args()
 
     per_set = {name: run_eval(args.eval_dir / f"{name}.jsonl", args)

@@ -32,10 +32,10 @@ EVAL_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "eva
 GOALS = {1: 1.0, 16: 2.0}  # ours/HF tokens-per-second ratio to reach (DESIGN.md section 10)
 
 
-def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+def chat_prompts(tokenizer, count: int, eval_dir: Path = EVAL_DIR) -> list[list[int]]:
     """First turns of the eval files, round-robin over files, as chat-templated token ids."""
     per_file = [[json.loads(line)["turns"][0] for line in f.read_text().splitlines() if line.strip()]
-                for f in sorted(EVAL_DIR.glob("*.jsonl"))]
+                for f in sorted(eval_dir.glob("*.jsonl"))]
     texts = [rows[i] for i in range(count) for rows in per_file][:count]
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                                add_generation_prompt=True, tokenize=True,
@@ -62,6 +62,7 @@ def timed(fn):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_DIR, help="prompts: the first turns of *.jsonl")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", default="1,16")
@@ -78,7 +79,7 @@ def main() -> int:
     model_dir = Path(args.model_dir) if args.model_dir else ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     streams_list = [int(s) for s in args.streams.split(",")]
-    all_prompts = chat_prompts(tokenizer, max(streams_list))
+    all_prompts = chat_prompts(tokenizer, max(streams_list), args.eval_dir)
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)

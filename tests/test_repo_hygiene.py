@@ -3,7 +3,7 @@ in tracked files or file names.
 
 A sentence such as "the cost table learned X (work period 13)" points at a history no reader
 has; the condition and the number belong there instead ("fp32, one thread: 176 ms"). Tracker
-references ("issue 5 part 4") likewise. Git keeps the history.
+references (an issue and part number) likewise. Git keeps the history.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def text_of(path: Path) -> str | None:
 
 
 def test_the_pattern_catches_labels_and_spares_ordinary_words():
-    for labelled in ("as in session 13", "Session 7's run", "sessions 13-15", "loadtest_session9/",
-                     "issue 5 part 4", "(Issue 4)", "issue #12", "this session found"):
+    # split in two, so that this file's own text holds no label
+    for labelled in ("as in sess" "ion 13", "Sess" "ion 7's run", "sess" "ions 13-15",
+                     "loadtest_sess" "ion9/", "iss" "ue 5 pa" "rt 4", "(Iss" "ue 4)", "iss" "ue #12",
+                     "this sess" "ion found", "in pa" "rt 3"):
         assert LABEL.search(labelled), labelled
     for plain in ("a session token", "the phase-2 drafter", "part of the prompt", "issues a request",
                   "sessionless", "parts of 15 MiB"):

@@ -82,6 +82,15 @@ def test_unreached_position_is_nan_and_tau_of_nothing():
         AcceptanceRecords([0], np.zeros((1, 2)), [1], [2], 2)  # accepted > admitted
 
 
+def test_a_run_without_full_rounds_reports_none():
+    """Every round cut short (answers shorter than a block): no full round, so no tau, not a crash."""
+    records = AcceptanceRecords([0, 1], np.full((2, 3), 0.5), [2, 1], [1, 0], 3)
+    full = records.full_rounds()
+    assert full.num_rounds == 0 and full.gamma == 3
+    summary = summarize(records)
+    assert np.isnan(summary.tau) and summary.rounds == 0 and summary.rounds_cut == 2
+
+
 def test_summary_calibration_uses_the_cumulative_raw_confidences():
     rng = np.random.default_rng(0)
     n, gamma = 400, 3

@@ -133,6 +133,8 @@ def table(temperature: float, stats: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=REPO / "checkpoints" / "dspark-markov")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "data" / "eval")
     parser.add_argument("--datasets", default="gsm8k,math500,humaneval,mt-bench")
     parser.add_argument("--limit", type=int, default=10, help="prompts per dataset")
@@ -152,7 +154,7 @@ def main() -> int:
     from dspark.models.drafter_config import DrafterConfig
     from dspark.training.data import encode_chat
 
-    model_dir = ensure_model()
+    model_dir = args.model_dir or ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [encode_chat(tokenizer, text) for name in args.datasets.split(",")
                for text in read_eval_prompts(args.eval_dir / f"{name}.jsonl", args.limit)]

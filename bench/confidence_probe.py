@@ -120,6 +120,7 @@ def scalar_features(d: dict[str, np.ndarray]) -> np.ndarray:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=REPO / "checkpoints" / "dspark-markov")
+    parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "smollm2_answers.jsonl.gz")
     parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "data" / "eval")
     parser.add_argument("--datasets", default="gsm8k,math500,humaneval,mt-bench")
@@ -141,7 +142,7 @@ def main() -> int:
     from dspark.models.drafter_config import DrafterConfig
     from dspark.training.data import encode_chat
 
-    model_dir = ensure_model()
+    model_dir = args.model_dir or ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stops = stop_token_ids(tokenizer)
     sets = {"heldout": heldout_prompts(args.data, args.heldout_limit),
@@ -182,7 +183,9 @@ def main() -> int:
         "oracle alpha (ceiling)": test["alpha"],
     }
     positions = (1, 2, 3)
-    results = {name: [roc_auc(s[test["k"] == k], test["y"][test["k"] == k]) for k in positions]
+    # a position no eval round reached has no AUC (NaN, as roc_auc gives for a missing class)
+    results = {name: [roc_auc(s[test["k"] == k], test["y"][test["k"] == k])
+                      if (test["k"] == k).any() else float("nan") for k in positions]
                for name, s in scores.items()}
     print(f"**AUC on the eval sets at temperature {args.temperature:g} (probes fitted on "
           f"{len(fit['y'])} held-out at-risk positions)**\n")

@@ -92,7 +92,7 @@ def bench_admission(num_requests: int, gamma: int, repeats: int, seed: int) -> l
     admitter = Admitter(AdmissionConfig(policy="async_topk"), table)
 
     def served(i: int) -> None:
-        table.observe(num_requests + 64 * (i % 8), 0.012)
+        table.observe(num_requests, num_requests + 64 * (i % 8), 0.012)
         admitter.admit(pool[i % len(pool)], step_index=i)
 
     rows.append({"op": "admit async_topk + cost_table.observe", "ms": median_ms(served, repeats)})

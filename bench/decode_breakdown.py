@@ -21,7 +21,7 @@ import torch
 from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from target_decode import chat_prompts  # noqa: E402
+from target_decode import EVAL_DIR, chat_prompts  # noqa: E402
 
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner  # noqa: E402
@@ -39,6 +39,7 @@ def decode_step(runner: TargetRunner, ids: list, tokens: list[int]) -> list[int]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_DIR, help="prompts: the first turns of *.jsonl")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
@@ -48,7 +49,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_model()
-    prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), args.streams)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), args.streams, args.eval_dir)
     runner = TargetRunner(model_dir, RunnerConfig())
     with torch.inference_mode():
         prefill_seconds = []

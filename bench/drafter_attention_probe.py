@@ -13,6 +13,7 @@ weight to the recent tokens? Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import tempfile
 
@@ -43,6 +44,7 @@ def attention_recorder(records: list[torch.Tensor]):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="checkpoints/dspark-markov")
+    parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--data", default="data/smollm2_answers.jsonl.gz")
     parser.add_argument("--qk-scales", default="1,2,4")
     parser.add_argument("--threads", type=int, default=2)
@@ -50,7 +52,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     dcfg = DrafterConfig.load(args.checkpoint)
     gamma = dcfg.block_size
-    cfg = TrainConfig(data_path=args.data, target_dir=str(ensure_model()), out_dir=tempfile.mkdtemp(),
+    cfg = TrainConfig(data_path=args.data, target_dir=str(args.model_dir or ensure_model()), out_dir=tempfile.mkdtemp(),
                       method=Method.MARKOV, num_layers=dcfg.num_hidden_layers, gamma=gamma,
                       markov_rank=dcfg.markov_rank, draft_vocab_size=dcfg.draft_vocab_size,
                       target_layer_ids=list(dcfg.target_layer_ids), split="heldout",
@@ -67,6 +69,7 @@ def main() -> int:
     print(f"{args.checkpoint}: slot-0 attention over the context, {int(keep.sum())} blocks\n")
     print("| qk scale | layer | normalised entropy | weight on last token | on last 4 | context share |")
     print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
     try:
         for scale in (float(s) for s in args.qk_scales.split(",")):
             model = load_drafter(args.checkpoint, trainer.teacher.embed_weight,
@@ -87,10 +90,16 @@ def main() -> int:
                     last.append(p[:, -1].mean())
                     last4.append(p[:, -4:].sum(-1).mean())
                 share = float(weights[..., :T].sum(-1).mean())
-                print(f"| {scale:g} | {i} | {torch.stack(entropy).mean():.3f} | {torch.stack(last).mean():.3f} "
-                      f"| {torch.stack(last4).mean():.3f} | {share:.3f} |")
+                row = {"qk_scale": scale, "layer": i, "entropy": float(torch.stack(entropy).mean()),
+                       "last": float(torch.stack(last).mean()),
+                       "last4": float(torch.stack(last4).mean()), "context_share": share}
+                rows.append(row)
+                print(f"| {scale:g} | {i} | {row['entropy']:.3f} | {row['last']:.3f} "
+                      f"| {row['last4']:.3f} | {share:.3f} |")
     finally:
         drafter_module.F.scaled_dot_product_attention = sdpa
+    print(json.dumps({"bench": "drafter_attention_probe", "checkpoint": args.checkpoint,
+                      "blocks": int(keep.sum()), "rows": rows}))
     return 0
 
 

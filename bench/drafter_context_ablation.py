@@ -30,6 +30,7 @@ from dspark.training.trainer import Method, TrainConfig, Trainer
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="checkpoints/dspark-markov")
+    parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--data", default="data/smollm2_answers.jsonl.gz")
     parser.add_argument("--split", default="heldout")
     parser.add_argument("--batches", type=int, default=3)
@@ -37,7 +38,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dcfg = DrafterConfig.load(args.checkpoint)
-    cfg = TrainConfig(data_path=args.data, target_dir=str(ensure_model()), out_dir=tempfile.mkdtemp(),
+    cfg = TrainConfig(data_path=args.data, target_dir=str(args.model_dir or ensure_model()), out_dir=tempfile.mkdtemp(),
                       method=Method(dcfg.markov_head_type.value), num_layers=dcfg.num_hidden_layers,
                       gamma=dcfg.block_size, markov_rank=dcfg.markov_rank,
                       draft_vocab_size=dcfg.draft_vocab_size,

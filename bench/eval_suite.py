@@ -1,4 +1,4 @@
-"""Issue 4's comparison: `dspark eval` on the four eval sets, macro-averaged, with the goal ratios.
+"""The drafters' comparison: `dspark eval` on the four eval sets, macro-averaged, with the goal ratios.
 
 Runs `dspark eval --json` once per eval set (gsm8k, math500, humaneval, mt-bench first turns) for
 the given methods and checkpoints folder, then prints:
@@ -12,7 +12,7 @@ the given methods and checkpoints folder, then prints:
 The last stdout line is one JSON object. Usage:
 
     .venv/bin/python bench/eval_suite.py --checkpoints checkpoints --limit 10 --max-tokens 128 \
-        --temperature 1.0 --threads 2 [--methods dspark,dflash,eagle,mtp1] [--plots docs/results/eval]
+        --temperature 1.0 --threads 2 [--methods dspark,dflash,eagle,mtp1] [--plots docs/results/drafters_eval_plots]
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def run_eval(dataset: Path, args: argparse.Namespace) -> dict:
            "--methods", args.methods, "--checkpoints", str(args.checkpoints),
            "--temperature", str(args.temperature), "--max-tokens", str(args.max_tokens),
            "--limit", str(args.limit), "--threads", str(args.threads), "--seed", str(args.seed)]
+    if args.model_dir is not None:
+        cmd += ["--model-dir", str(args.model_dir)]
     if args.plots is not None:
         cmd += ["--plots", str(args.plots / f"{dataset.stem}_t{args.temperature:g}")]
     print("[eval_suite] " + " ".join(cmd[2:]), file=sys.stderr, flush=True)
@@ -67,6 +69,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plots", type=Path, default=None)
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the target's folder (default: dspark fetch-model's)")
     args = parser.parse_args()
 
     per_set = {name: run_eval(args.eval_dir / f"{name}.jsonl", args)

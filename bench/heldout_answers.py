@@ -25,6 +25,7 @@ import torch
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data/smollm2_answers.jsonl.gz"))
+    parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--out", type=Path, required=True, help=".jsonl.gz to write (replaced)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -48,7 +49,7 @@ def main() -> int:
     if not records:
         print(f"{args.data}: no held-out records", file=sys.stderr)
         return 2
-    model_dir = ensure_model()
+    model_dir = args.model_dir or ensure_model()
     eos = set(stop_token_ids(AutoTokenizer.from_pretrained(model_dir)))
     runner = TargetRunner(model_dir, RunnerConfig(kv_cache_tokens=args.batch_size * 2048))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

@@ -1,13 +1,13 @@
 """Two policies' service stacks under the same Locust load at the same time: a paired A/B.
 
 `loadtest.sweep` runs one policy's stack after the other. On a shared machine whose speed drifts
-by 10-20% from one minute to the next (session 15 saw the same decode round take 170 ms in one
-run and 213 ms in the next), a few percent between policies is then below the noise. Here both
+by 10-20% from one minute to the next (the same 16-request decode round took 170 ms in one run
+and 213 ms in the next on a 2-core CPU), a few percent between policies is then below the noise. Here both
 stacks run side by side, each driven by its own headless Locust with the same users, duration
 and prompts, so both see the same machine at the same moments; the ratio of their aggregate
 throughputs is what is compared, repeat by repeat. On 2 cores each stack gets about a core
 (every service is single-threaded and a stack's services take turns); at 16 users each stack
-still served about 51 tok/s, as much as one alone (session 15), but the ratio is the
+still served about 51 tok/s, as much as one alone, but the ratio is the
 measurement, not the absolute numbers.
 
 The stacks are started once and warmed up; each repeat is one concurrent pair of Locust runs.

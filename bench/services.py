@@ -7,7 +7,7 @@ table; only the transport differs. For each stream count, the embedded engine ge
 through gRPC `Generate` (one client thread per stream). Throughput = output tokens of all streams
 / wall time; per-user speed = a stream's tokens after its first / time from its first token to
 its last (median over streams). Ratios services/embedded are measured in the same run (DESIGN.md
-section 9); the goal (issue 6) is >= 0.8 throughput at 16 streams. The "same" column checks that
+section 9); the goal is >= 0.8 throughput at 16 streams. The "same" column checks that
 every stream's greedy tokens are identical on both sides.
 
 Prints a markdown table and ends with one JSON line. Usage:

@@ -143,7 +143,7 @@ class AdmissionConfig:
     without drafts. The estimate of a round with drafts is the less certain one (drafting after
     skipped rounds absorbs context, and a load that drafts keeps the round without drafts
     unmeasured), and a wrong choice to draft is paid for a whole spell: at 16 users on a 2-core
-    CPU, rounds that the cost table expected to gain 5-10% lost 5% (session 16). 1.0: the
+    CPU in bf16, rounds that the cost table expected to gain 5-10% lost 5%. 1.0: the
     plain argmax. K is still computed from old rounds only, so the margin keeps the output
     distribution exact."""
 
@@ -403,7 +403,7 @@ class AsyncTopKAdmission:
     def _mean_candidates(self, num_requests: int, block_size: int) -> Candidates:
         """The sorted candidates of a block of running means (:meth:`_mean_block`), kept until
         the means change: under a load where no draft pays, every skipped round decides from
-        the same means. Session 17, 16 users: the engine thread's CPU before the verifier call
+        the same means. At 16 users (bf16, AVX512 CPU) the engine thread's CPU before the verifier call
         (mostly this decision) went from 0.32 to 0.21 ms a round."""
         key = (num_requests, block_size, self._means_version)
         if self._mean_candidates_cache is None or self._mean_candidates_cache[0] != key:

@@ -1,4 +1,4 @@
-"""`dspark bench`: the end-to-end speed tables (DESIGN.md section 10; issue 5 part 4).
+"""`dspark bench`: the end-to-end speed tables (DESIGN.md section 10).
 
 The same benchmark and flags as `bench/e2e.py`; the code is `dspark.bench_e2e`.
 """

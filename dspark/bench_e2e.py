@@ -1,4 +1,4 @@
-"""End-to-end speed benchmark: output tokens/s of whole generations (issue 5 part 4; DESIGN.md 9).
+"""End-to-end speed benchmark: output tokens/s of whole generations (DESIGN.md 9).
 
 Rows (`--methods`, in this order):
 - `target`: our engine with policy `none` (no drafter): the baseline every ratio is taken against;
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EVAL_DIR = REPO_ROOT / ".." / "shared" / "data" / "eval"
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
-# Issue 5 part 4: DSpark over target-only, greedy, macro-average, by number of concurrent streams.
+# Speed goals: DSpark over target-only, greedy, macro-average, by number of concurrent streams.
 GOALS = {1: 2.0, 8: 1.5}
 # Verification batch sizes measured for the cost table SPS(B) at start-up (up to 8 streams x 8).
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -592,7 +592,7 @@ def format_breakdown(summary: dict[str, dict], temperature: float, concurrency: 
 
 
 def goals(tables: list[dict]) -> dict:
-    """Issue 5's speed goals, where this run measured them (greedy, macro-average)."""
+    """The speed goals (GOALS), where this run measured them (greedy, macro-average)."""
     out = {}
     for t in tables:
         rows = t["rows"]

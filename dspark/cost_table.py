@@ -44,16 +44,16 @@ with ``n = B - R`` drafts, where
   fitted over 0-3 drafts is not trusted at 30;
 - an R never served takes the fit of the nearest served R (the lower on a tie), and 0 before any.
 
-Why not refresh each B on its own (before session 13): the profile spreads B over at most a few
+Why not refresh each B on its own: the profile spreads B over at most a few
 requests at a short context, while many requests cost more per round (attention over each
 request's context, per-request work); a per-B update raised the B that is served every round (R
 requests, no drafts) and left the rarely served larger B at the profile's cheaper level, so
-verifying drafts looked cheaper than decoding at high load (session 13, fp32, one thread: the
+verifying drafts looked cheaper than decoding at high load (fp32, one thread: the
 profile said 176 / 245 ms at B = 16 / 32, 16 requests at context 300 cost 336 / 408 ms). Why a
-line in n, not a point per served (R, B) (sessions 13-15): rounds that verify drafts seldom
+line in n, not a point per served (R, B): rounds that verify drafts seldom
 verify the same number twice (at 16 requests, B ran 40-52 in one minute), so each point had a
 few samples, started at R's level (mostly rounds without drafts) and moved 10% a sample; the
-admission judged drafts at about that level while they cost more (session 16, bf16: 158-175 ms
+admission judged drafts at about that level while they cost more (bf16, 16 requests: 158-175 ms
 estimated for 46 tokens, 180-236 measured). One line per R pools every round's evidence on
 what a draft costs. The drafting time is learned per
 R as well (:meth:`CostTable.observe_draft`): drafting 16 requests costs more than drafting one.
@@ -96,7 +96,7 @@ class Interpolation(enum.Enum):
 
 
 class ThetaObjective(enum.Enum):
-    """What the admission policies maximise (DESIGN.md section 6, issue 2)."""
+    """What the admission policies maximise (DESIGN.md section 6)."""
 
     PAPER = "paper"
     """Theta = tau * SPS(B): drafting is overlapped with verification (or free)."""

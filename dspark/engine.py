@@ -91,7 +91,7 @@ class EngineConfig:
     nothing (a plain check), when the decision was close (below `plain_check_gain`) and no
     prompt chunk rides in the round, so that the cost table measures the round without drafts
     now. While every round drafts, nothing else measures the option not taken, and the cost
-    table extrapolates it (session 16: 126-141 ms estimated at 16 requests where such rounds
+    table extrapolates it (bf16: 126-141 ms estimated at 16 requests where such rounds
     took about 120). Decided by round counts and old decisions only, so the output stays
     exact. 0 = never."""
     plain_check_gain: float = 1.3

@@ -37,7 +37,7 @@ def startup_cost_table(runner, sizes=STARTUP_PROFILE_SIZES, context_len: int = 6
 
     Median of 5, not fewer: the admission policies only re-measure the batch sizes they choose,
     so a size that one slow start-up forward made look expensive would never be chosen again
-    (session 4 saw B=2 profiled at 122 ms against 77 ms at B=4 after a median of 2)."""
+    (a median of 2 once profiled B=2 at 122 ms against 77 ms at B=4)."""
     from dspark.profiling import measure_step_seconds
 
     seconds = measure_step_seconds(runner, list(sizes), context_len=context_len, requests=4,

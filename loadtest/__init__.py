@@ -1,1 +1,1 @@
-"""Load testing of the services stack: a Locust locustfile and the SLA / Pareto sweep (issue 7)."""
+"""Load testing of the services stack: a Locust locustfile and the SLA / Pareto sweep."""

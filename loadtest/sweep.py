@@ -1,4 +1,4 @@
-"""`dspark loadtest`: the SLA sweep (issue 7 part 2).
+"""`dspark loadtest`: the SLA sweep.
 
 For each admission policy (default: none, fixed:1, fixed:7, sync_greedy, async_topk) a fresh
 stack is started (loadtest/stack.py), warmed up with one request, and driven by Locust (headless,

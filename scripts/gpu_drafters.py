@@ -1,8 +1,8 @@
-"""Make the shipped drafters on a GPU in one short, time-bounded run (issue 4).
+"""Make the shipped drafters on a GPU in one short, time-bounded run.
 
-The issue allows it: "where a GPU is at hand, a short prepared script can generate and train far
-more; the project must not depend on one". The CPU recipe in docs/drafter.md stays the way to make
-them without one. Stages, each bounded in time:
+Where a GPU is at hand, this generates and trains far more than the CPU budget allows; the project
+does not depend on one, and the CPU recipe in docs/drafter.md stays the way to make the drafters
+without one. Stages, each bounded in time:
 
 1. target: the GGUF that `dspark fetch-model` converts, dequantised the same way (transformers),
    with the tokenizer files of the converted folder; the weights' digest is compared with the one

@@ -1,4 +1,5 @@
-"""Shared fixtures: the demo target (prepared once per machine) and the eval prompt files."""
+"""Shared fixtures: the demo target (prepared once per machine), the eval prompt files, one torch
+thread for every test, and the tiny random Llama targets and tokenizer the tests build."""
 
 from __future__ import annotations
 
@@ -26,13 +27,84 @@ def eval_dir() -> Path:
     return path
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def one_torch_thread():
-    """Tests run torch on one thread: the tiny models gain nothing from two, and on a shared
-    machine two OpenMP threads per process can spin against each other and run many times slower."""
+    """Every test runs torch on one thread (also after a test or a CLI it calls set another): the
+    tiny models gain nothing from two, and on a shared machine two OpenMP threads per process can
+    spin against each other and run many times slower."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+TINY_LLAMA = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=True)
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def save_tiny_llama():
+    """`save(folder, peaked=True, **config) -> model`: a random Llama (TINY_LLAMA, with `config`
+    overriding it) built right after `torch.manual_seed(0)` and saved in Hugging Face format.
+    `peaked` multiplies the LM head by 8, so that sampled tokens repeat and drafts get accepted
+    now and then. A function, so that a caller's later draws follow the same seeded stream."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def save(folder: Path, peaked: bool = True, **config):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config})).eval()
+        if peaked:
+            with torch.no_grad():
+                model.lm_head.weight.mul_(8.0)
+        model.save_pretrained(folder)
+        return model
+
+    return save
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, save_tiny_llama):
+    """(folder, model) of the peaked TINY_LLAMA."""
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    return folder, save_tiny_llama(folder)
+
+
+@pytest.fixture(scope="session")
+def save_char_tokenizer():
+    """`save(folder)`: a character-level tokenizer (45 ids below 64: `<unk>`, `<|im_start|>`,
+    `<|im_end|>` (EOS), then a-z, 0-9 and " .,?!\n") with a ChatML template."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def save(folder: Path) -> None:
+        specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+        chars = list(string.ascii_lowercase + string.digits + " .,?!\n")
+        tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)},
+                                         unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+        tok.add_special_tokens(specials)
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                chat_template=CHATML_TEMPLATE).save_pretrained(folder)
+
+    return save
+
+
+@pytest.fixture(scope="session")
+def save_tiny_chat_target(save_tiny_llama, save_char_tokenizer):
+    """`save(folder) -> model`: the peaked TINY_LLAMA with 1024 positions, EOS 2 and BOS 1, and
+    the character-level ChatML tokenizer beside it, as `dspark eval` and `dspark bench` load it."""
+
+    def save(folder: Path):
+        model = save_tiny_llama(folder, max_position_embeddings=1024, eos_token_id=2, bos_token_id=1)
+        save_char_tokenizer(folder)
+        return model
+
+    return save

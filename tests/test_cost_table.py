@@ -166,7 +166,7 @@ def test_observe_learns_the_level_of_a_request_count_and_keeps_the_profile():
 
 
 def test_the_line_of_one_request_corrects_the_profiles_shape():
-    """The profile spreads B = 4 over 4 requests; one request with 3 drafts costs less (session 13:
+    """The profile spreads B = 4 over 4 requests; one request with 3 drafts costs less (fp32:
     profile 89 / 138 ms at B = 1 / 4, one request at context 300 107 / 141 ms). The served rounds
     converge to what they cost, so a single stream is not charged for requests it does not have."""
     table = CostTable.from_step_seconds({1: 0.089, 4: 0.1375, 8: 0.1432})
@@ -181,7 +181,7 @@ def test_the_line_of_one_request_corrects_the_profiles_shape():
 
 
 def test_drafts_of_many_sizes_teach_one_line():
-    """Session 16 (bf16, 16 requests): rounds that verify drafts seldom verify the same number
+    """At 16 requests (bf16), rounds that verify drafts seldom verify the same number
     twice (B = 40-52 in one minute). Every one of them informs R's line, so a draft count never
     served on its own (here 30) is priced at what drafts were measured to cost, not at the
     level of the rounds without drafts that make up most of R's rounds."""
@@ -209,7 +209,7 @@ def test_an_unmeasured_request_count_takes_the_nearest_measured_level():
 
 
 def test_serving_many_requests_keeps_the_marginal_cost_of_drafts():
-    """The session-13 finding: the start-up profile (up to 4 requests, context 64) said 176 / 245 ms
+    """Measured once: the start-up profile (up to 4 requests, context 64) said 176 / 245 ms
     at B = 16 / 32, while 16 requests at context 300 cost 336 / 408 ms (fp32, one thread). Rounds
     of 16 requests mostly verify no drafts (B = 16); the cost of verifying must not look lower
     than decoding because only B = 16 was measured."""

@@ -24,22 +24,6 @@ LAYER_IDS = (0, 2, 3)
 GAMMA = 4
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # peakier logits, so sampled tokens repeat and drafts get accepted
-        model.lm_head.weight.mul_(8.0)
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(folder)
-    return folder, model
-
-
 def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int = 8,
                 sparse_top_k: int | None = None, seed: int = 0, table: CostTable | None = None,
                 probe_interval: int = 8, **config) -> Engine:

@@ -1,4 +1,4 @@
-"""End-to-end greedy exactness on the real target with the shipped drafter (issue 5, part 3).
+"""End-to-end greedy exactness on the real target with the shipped drafter.
 
 30 eval prompts (chat template, spread over the four eval files) x up to 128 new tokens: the
 embedded engine's output is token-identical to transformers `generate` run prompt by prompt on the

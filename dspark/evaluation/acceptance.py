@@ -1,4 +1,4 @@
-"""Acceptance figures of a drafter against its target (DESIGN.md section 9; issue 4 parts 5-6).
+"""Acceptance figures of a drafter against its target (DESIGN.md section 9).
 
 Generation runs through the embedded engine with a fixed verification length (no scheduler:
 the paper's offline evaluation, section 4.2), and an observer on the engine records every round.
@@ -55,7 +55,9 @@ class AcceptanceRecords:
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
-        self.confidences = np.asarray(self.confidences, dtype=np.float64).reshape(n, -1)
+        confidences = np.asarray(self.confidences, dtype=np.float64)
+        # [n, gamma]; a selection of no rows keeps its gamma, which reshape(0, -1) cannot infer
+        self.confidences = confidences.reshape(n, confidences.shape[-1] if confidences.ndim == 2 else -1)
         self.admitted = np.asarray(self.admitted, dtype=np.int64).reshape(n)
         self.accepted = np.asarray(self.accepted, dtype=np.int64).reshape(n)
         if np.any(self.accepted > self.admitted) or np.any(self.accepted < 0):

@@ -1,4 +1,4 @@
-"""`dspark calibrate`: fit STS on the held-out split and store it beside the drafter (issue 4 part 5).
+"""`dspark calibrate`: fit STS on the held-out split and store it beside the drafter (DESIGN.md section 4).
 
 The drafter generates answers to the held-out prompts of the training data file (records with
 `split == "heldout"`, never trained on) with full-block verification (`fixed:gamma`); every full

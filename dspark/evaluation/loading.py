@@ -1,4 +1,4 @@
-"""Build the target runner and a method's drafter from checkpoint folders (issue 4 parts 5-7).
+"""Build the target runner and a method's drafter from checkpoint folders.
 
 Glossary
 - method: one row of the evaluation table (DESIGN.md section 8): `dspark` (DSpark, Markov head),

@@ -1,1 +1,1 @@
-"""Models: the target transformer, its paged KV cache, loader and runner (issue 3)."""
+"""Models: the target transformer, its paged KV cache, loader and runner."""

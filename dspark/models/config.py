@@ -1,4 +1,4 @@
-"""Typed model configuration, read from a Hugging Face `config.json` (issue 3).
+"""Typed model configuration, read from a Hugging Face `config.json`.
 
 Supported families: Llama (SmolLM2, Llama 2/3), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
 Both config spellings are accepted: transformers 5 writes `rope_parameters` (theta and scaling in

@@ -1,4 +1,4 @@
-"""Paged KV cache: fixed-size blocks, a block table per request, a free list (issue 3).
+"""Paged KV cache: fixed-size blocks, a block table per request, a free list.
 
 Glossary
 - *slot*: one token's place in the cache storage; slot = block_id * block_size + offset.

@@ -12,7 +12,7 @@ CPU (AVX2, 2 threads), microseconds per product:
     576 -> 49152 F.linear        8264 18440 19386 18979 19620 39880
                  oneDNN packed   4030  4100  5658  6275  9422 25852
 
-bfloat16 on a CPU with AVX512-BF16 (an AMD EPYC, session 12), same shapes:
+bfloat16 on a CPU with AVX512-BF16 (an AMD EPYC), same shapes:
 
     576 -> 3072  F.linear bf16      100    98   117   149   210
                  oneDNN packed bf16  48    47    57    87   148

@@ -1,4 +1,4 @@
-"""Cohorts: keep the drafter and the verifier busy at the same time (issue 6, item 7).
+"""Cohorts: keep the drafter and the verifier busy at the same time.
 
 A strict draft-then-verify loop leaves each service idle half the time. Here the running
 requests are split into `n` cohorts, each served by its own EngineLoop (its own Engine, its own

@@ -26,31 +26,6 @@ GAMMA = 4
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [40], [8, 8, 8, 8, 8]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The machine is shared: one torch thread, restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # peakier logits, so sampled drafts get accepted now and then
-        model.lm_head.weight.mul_(8.0)
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(folder)
-    return folder, model
-
-
 def make_runner(folder) -> TargetRunner:
     return TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS, kv_cache_tokens=4096))
 
@@ -105,6 +80,15 @@ def test_unreached_position_is_nan_and_tau_of_nothing():
     assert np.isnan(acceptance_length(np.zeros(0)))
     with pytest.raises(ValueError):
         AcceptanceRecords([0], np.zeros((1, 2)), [1], [2], 2)  # accepted > admitted
+
+
+def test_a_run_without_full_rounds_reports_none():
+    """Every round cut short (answers shorter than a block): no full round, so no tau, not a crash."""
+    records = AcceptanceRecords([0, 1], np.full((2, 3), 0.5), [2, 1], [1, 0], 3)
+    full = records.full_rounds()
+    assert full.num_rounds == 0 and full.gamma == 3
+    summary = summarize(records)
+    assert np.isnan(summary.tau) and summary.rounds == 0 and summary.rounds_cut == 2
 
 
 def test_summary_calibration_uses_the_cumulative_raw_confidences():

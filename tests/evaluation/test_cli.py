@@ -7,7 +7,6 @@ import argparse
 import gzip
 import json
 import shutil
-import string
 
 import numpy as np
 import pytest
@@ -24,50 +23,14 @@ VOCAB = 64
 GAMMA = 4
 LAYER_IDS = [0, 2, 3]
 EAGLE_LAYER_IDS = [1, 2]  # a different layer set: the eval reloads the target for it
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def save_char_tokenizer(folder) -> None:
-    """A character-level tokenizer (45 ids < VOCAB) with a ChatML template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
-    chars = list(string.ascii_lowercase + string.digits + " .,?!\n")
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)},
-                                     unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.add_special_tokens(specials)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                            chat_template=CHAT_TEMPLATE).save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, save_tiny_chat_target):
     """(target folder, checkpoints folder with dspark-markov, dflash, eagle; no dspark-rnn)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("eval_cli")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, tie_word_embeddings=True,
-                         eos_token_id=2, bos_token_id=1)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
     target = root / "target"
-    model.save_pretrained(target)
-    save_char_tokenizer(target)
+    save_tiny_chat_target(target)
     target_config = json.loads((target / "config.json").read_text())
 
     ckpts = root / "checkpoints"

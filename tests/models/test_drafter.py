@@ -23,15 +23,6 @@ TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hi
               model_type="llama")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: one thread is fastest, and immune to a busy shared CPU. Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_drafter(head: str = "markov", seed: int = 0, draft_ids: torch.Tensor | None = None,
                  bias_std: float = 0.5, inject: bool = False) -> DSparkDrafter:
     cfg = DrafterConfig.from_target_config(
@@ -462,7 +453,6 @@ def test_packed_for_inference_drafts_the_same_blocks(head):
         assert torch.equal(plain.tokens, packed.tokens)
         torch.testing.assert_close(plain.dense(VOCAB), packed.dense(VOCAB), rtol=0, atol=1e-5)
         torch.testing.assert_close(plain.confidences, packed.confidences, rtol=0, atol=1e-5)
-
 
 
 def test_last_context_injection_adds_the_fused_state_at_anchor_minus_one():

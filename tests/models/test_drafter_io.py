@@ -27,15 +27,6 @@ QWEN3_TARGET = {  # the shape of a Qwen3 config.json, shrunk
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: one thread is fastest, and immune to a busy shared CPU. Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def deepspec_tensors(g: torch.Generator, markov_rank: int = R, rnn: bool = False,
                      confidence_with_markov: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of a DeepSpec Qwen3DSparkModel checkpoint, by name, written out by hand."""

@@ -17,15 +17,6 @@ TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hi
               model_type="llama")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: one thread is fastest, and immune to a busy shared CPU. Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_eagle(seed: int = 0, draft_ids: torch.Tensor | None = None) -> EagleDrafter:
     cfg = eagle_config(TARGET, target_layer_ids=[1, 3], block_size=GAMMA,
                        draft_vocab_size=None if draft_ids is None else draft_ids.numel())

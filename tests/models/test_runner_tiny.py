@@ -35,16 +35,6 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads, and on a shared 2-core machine a second thread
-    waiting at every op's barrier makes these tests several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def tiny(request, tmp_path_factory):
     """(transformers model, folder) of a tiny random model saved in Hugging Face format."""

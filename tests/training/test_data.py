@@ -22,14 +22,6 @@ from dspark.training.data import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -10,15 +10,6 @@ import torch
 from dspark.training.losses import LossConfig, drafter_losses, position_weights
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: one thread is fastest, and immune to a busy shared CPU. Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def reference(draft_logits, target_probs, target_ids, valid, conf_logits, cfg, outside=None):
     """Python loops over blocks and positions, floats only."""
     *lead, gamma, vocab = draft_logits.shape

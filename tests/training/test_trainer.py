@@ -33,15 +33,6 @@ from dspark.training.trainer import (
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: one thread is fastest, and immune to a busy shared CPU. Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,0 +1,144 @@
+"""Every `bench/` script runs to its final JSON line on tiny sizes, so that a benchmark that no
+longer matches the code fails here instead of on the day someone needs its numbers.
+
+The scripts run in this process (`runpy`, as `__main__`, with their own argv), on a tiny random
+Llama target, an untrained DSpark drafter, four one-line eval sets and a tiny answers file; only
+`bench/eval_suite.py` starts subprocesses (`dspark eval`, as it always does). Two scripts are
+exempt, each for the reason given in EXEMPT; a new script must join one of the two lists.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BENCH = REPO_ROOT / "bench"
+
+EXEMPT = {
+    "services.py": "starts the drafter, verifier and scheduler processes twice (one and two "
+                   "cohorts): about two minutes even with `--tiny`; the service tests cover the "
+                   "stack it times",
+    "loadtest_paired.py": "two service stacks under Locust; tests/loadtest/test_paired.py runs it "
+                          "with `--tiny`",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """Paths the scripts take: target, checkpoints folder, drafter checkpoints, eval sets, data."""
+    from transformers import AutoTokenizer
+
+    from dspark.models.drafter import DSparkDrafter
+    from dspark.models.drafter_config import DrafterConfig
+    from dspark.models.drafter_io import save_drafter
+    from dspark.serving.tiny_models import VOCAB, build_tiny_models
+
+    root = tmp_path_factory.mktemp("bench_smoke")
+    models = build_tiny_models(root / "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(models.target_dir)
+    tokenizer.eos_token = f"t{VOCAB - 1}"  # the benchmarks stop generations at EOS
+    tokenizer.save_pretrained(models.target_dir)
+    checkpoints = root / "checkpoints"
+    shutil.copytree(models.drafter_dir, checkpoints / "dspark-markov")
+
+    # The training-based probes read the teacher's features below its final layer (which
+    # transformers already normalises), so their drafter takes layers 0-2 of the 4.
+    torch.manual_seed(1)
+    config = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                           target_layer_ids=[0, 1, 2], num_target_layers=4, block_size=4,
+                           mask_token_id=1, markov_rank=16)
+    save_drafter(DSparkDrafter(config).eval(), root / "probe_drafter")
+
+    eval_dir = root / "eval"
+    eval_dir.mkdir()
+    for name in ("gsm8k", "humaneval", "math500", "mt-bench"):
+        (eval_dir / f"{name}.jsonl").write_text('{"turns": ["t5 t6 t7 t8 t9"]}\n'
+                                                '{"turns": ["t10 t11 t12"]}\n')
+    rng = random.Random(0)
+    data = root / "answers.jsonl.gz"
+    with gzip.open(data, "wt") as f:  # the format of `dspark data generate`
+        for i in range(12):
+            f.write(json.dumps({"id": f"p{i}", "source": "tiny",
+                                "split": "heldout" if i % 2 else "train",
+                                "prompt_ids": [1] + [rng.randrange(4, VOCAB) for _ in range(6)] + [2, 3],
+                                "answer_ids": [rng.randrange(4, VOCAB) for _ in range(24)],
+                                "finished": True}) + "\n")
+    return {"target": models.target_dir, "checkpoints": checkpoints,
+            "drafter": checkpoints / "dspark-markov", "probe_drafter": root / "probe_drafter",
+            "cost_table": models.cost_table, "eval": eval_dir, "data": data, "out": root / "out"}
+
+
+def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
+    """The arguments that make `script` small."""
+    t, one = str(p["target"]), ["--threads", "1"]
+    return {
+        "core_ops.py": ["--requests", "8", "--gamma", "4", "--repeats", "3", "--verify-requests",
+                        "2", "--verify-gamma", "3", "--vocab", "64", "--sparse-k", "8",
+                        "--verify-repeats", "1"],
+        "e2e.py": ["--model-dir", t, "--checkpoints", str(p["checkpoints"]), "--eval-dir",
+                   str(p["eval"]), "--datasets", "gsm8k", "--limit", "1", "--max-tokens", "4",
+                   "--temperatures", "0", "--concurrency", "1", "--methods", "target,dspark",
+                   "--cost-table", str(p["cost_table"]), *one],
+        "eval_suite.py": ["--model-dir", t, "--checkpoints", str(p["checkpoints"]), "--methods",
+                          "dspark", "--eval-dir", str(p["eval"]), "--sets", "gsm8k", "--limit",
+                          "2", "--max-tokens", "16", *one],
+        "target_decode.py": ["--model-dir", t, "--eval-dir", str(p["eval"]), "--new-tokens", "2",
+                             "--repeats", "1", "--streams", "1", "--dtypes", "float32", *one],
+        "decode_breakdown.py": ["--model-dir", t, "--eval-dir", str(p["eval"]), "--streams", "2",
+                                "--steps", "2", "--profile-steps", "1", *one],
+        "packed_weights.py": ["--model-dir", t, "--context", "8", "--repeats", "1", *one],
+        "acceptance_oracle.py": ["--model-dir", t, "--checkpoint", str(p["drafter"]), "--eval-dir",
+                                 str(p["eval"]), "--datasets", "gsm8k", "--limit", "2",
+                                 "--max-tokens", "8", *one],
+        "confidence_probe.py": ["--model-dir", t, "--checkpoint", str(p["drafter"]), "--data",
+                                str(p["data"]), "--eval-dir", str(p["eval"]), "--datasets",
+                                "gsm8k", "--eval-limit", "2", "--max-tokens", "8", *one],
+        "heldout_answers.py": ["--model-dir", t, "--data", str(p["data"]), "--out",
+                               str(p["out"] / "heldout.jsonl.gz"), "--max-new-tokens", "4",
+                               "--batch-size", "2", *one],
+        "drafter_context_ablation.py": ["--model-dir", t, "--checkpoint", str(p["probe_drafter"]),
+                                        "--data", str(p["data"]), "--batches", "1", *one],
+        "drafter_attention_probe.py": ["--model-dir", t, "--checkpoint", str(p["probe_drafter"]),
+                                       "--data", str(p["data"]), "--qk-scales", "1", *one],
+    }[script]
+
+
+def scripts() -> list[str]:
+    return sorted(p.name for p in BENCH.glob("*.py"))
+
+
+def test_every_bench_script_is_smoked_or_exempt_with_a_reason():
+    smoked = [s for s in scripts() if s not in EXEMPT]
+    for script in smoked:
+        tiny_argv(script, {k: Path(k) for k in ("target", "checkpoints", "drafter", "probe_drafter",
+                                                 "cost_table", "eval", "data", "out")})
+    assert set(EXEMPT) <= set(scripts())
+    assert all(reason for reason in EXEMPT.values())
+
+
+@pytest.mark.parametrize("script", [s for s in scripts() if s not in EXEMPT])
+def test_bench_script_runs_on_tiny_sizes(script, tiny, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(BENCH / script), *tiny_argv(script, tiny)])
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.syspath_prepend(str(BENCH))  # as when run as a script: siblings import each other
+    threads = torch.get_num_threads()
+    try:
+        runpy.run_path(str(BENCH / script), run_name="__main__")
+    except SystemExit as stop:
+        assert stop.code in (0, None), f"{script} exited with {stop.code}"
+    finally:
+        torch.set_num_threads(threads)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines, f"{script} printed nothing"
+    summary = json.loads(lines[-1])  # a benchmark ends with one JSON line
+    assert summary["bench"] == script.removesuffix(".py")

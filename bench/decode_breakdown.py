@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from target_decode import EVAL_DIR, chat_prompts  # noqa: E402
 
 from dspark.fetch import ensure_model  # noqa: E402
+from dspark.models.paged_attention import PROFILER_LABEL  # noqa: E402
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner  # noqa: E402
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
-ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+ATTENTION_OPS = (PROFILER_LABEL, "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::scaled_dot_product_attention")
 
 

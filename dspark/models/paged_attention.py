@@ -31,6 +31,8 @@ __all__ = ["paged_attention", "padded_attention", "reference_attention", "cpu_ke
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 _log = logging.getLogger(__name__)
+PROFILER_LABEL = "dspark::paged_attention"
+"""The kernel's name in torch profiler tables (it is not an aten op, so it needs a label)."""
 
 
 @functools.cache
@@ -66,8 +68,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ext = _cpu_extension()
     if ext is None:
         raise RuntimeError("the paged attention CPU kernel is not available on this machine")
-    return ext.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, query_start,
-                               context_lens, float(scale))
+    with torch.profiler.record_function(PROFILER_LABEL):  # visible to the torch profiler
+        return ext.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, query_start,
+                                   context_lens, float(scale))
 
 
 def padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -73,9 +73,15 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
                                 "prompt_ids": [1] + [rng.randrange(4, VOCAB) for _ in range(6)] + [2, 3],
                                 "answer_ids": [rng.randrange(4, VOCAB) for _ in range(24)],
                                 "finished": True}) + "\n")
+    train_dir = root / "train"  # the prompt files of `dspark data generate`
+    train_dir.mkdir()
+    (train_dir / "math_gsm8k.jsonl").write_text("".join(
+        json.dumps({"id": f"gsm8k-{i}", "source": "gsm8k", "domain": "math",
+                    "prompt": f"t{5 + i} t{6 + i} t7"}) + "\n" for i in range(6)))
     return {"target": models.target_dir, "checkpoints": checkpoints,
             "drafter": checkpoints / "dspark-markov", "probe_drafter": root / "probe_drafter",
-            "cost_table": models.cost_table, "eval": eval_dir, "data": data, "out": root / "out"}
+            "cost_table": models.cost_table, "eval": eval_dir, "data": data, "out": root / "out",
+            "train": train_dir}
 
 
 def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
@@ -94,6 +100,8 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
                           "2", "--max-tokens", "16", *one],
         "target_decode.py": ["--model-dir", t, "--eval-dir", str(p["eval"]), "--new-tokens", "2",
                              "--repeats", "1", "--streams", "1", "--dtypes", "float32", *one],
+        "data_generate.py": ["--model-dir", t, "--train-dir", str(p["train"]), "--prompts", "4",
+                             "--batch-size", "2", "--max-new-tokens", "3", *one],
         "decode_breakdown.py": ["--model-dir", t, "--eval-dir", str(p["eval"]), "--streams", "2",
                                 "--steps", "2", "--profile-steps", "1", *one],
         "packed_weights.py": ["--model-dir", t, "--context", "8", "--repeats", "1", *one],
@@ -121,7 +129,7 @@ def test_every_bench_script_is_smoked_or_exempt_with_a_reason():
     smoked = [s for s in scripts() if s not in EXEMPT]
     for script in smoked:
         tiny_argv(script, {k: Path(k) for k in ("target", "checkpoints", "drafter", "probe_drafter",
-                                                 "cost_table", "eval", "data", "out")})
+                                                 "cost_table", "eval", "data", "out", "train")})
     assert set(EXEMPT) <= set(scripts())
     assert all(reason for reason in EXEMPT.values())
 

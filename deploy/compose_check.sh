@@ -30,11 +30,28 @@ done
 PY="${PYTHON:-.venv/bin/python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PROJECT="${DSPARK_COMPOSE_PROJECT:-dsparkcheck}"
-FILES=(-f docker-compose.yml -f deploy/docker-compose.hostnet.yml)
-compose() { docker-compose -p "$PROJECT" "${FILES[@]}" "$@"; }
+# docker-compose.yml with the host-network override, merged into one file without the published
+# ports (docker-compose 1.x refuses port bindings on the host network, and an override cannot
+# remove them).
+MERGED="$(mktemp /tmp/dspark-compose-check.XXXXXX.yml)"
+trap 'rm -f "$MERGED"' EXIT
+merge() {
+  docker-compose -f docker-compose.yml -f deploy/docker-compose.hostnet.yml "$@" config |
+    "$PY" -c '
+import sys, yaml
+config = yaml.safe_load(sys.stdin)
+for service in config["services"].values():
+    if service.get("network_mode") == "host":
+        service.pop("ports", None)
+yaml.safe_dump(config, sys.stdout, sort_keys=False)' >"$MERGED"
+}
+compose() { docker-compose -p "$PROJECT" -f "$MERGED" "$@"; }
 now() { date +%s.%N; }
 elapsed() { "$PY" -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$1" "$(now)"; }
 
+# One check at a time on a machine: they share the project's names and ports.
+exec 9>/tmp/dspark-compose-check.lock
+flock -w 1800 9 || { echo "error: another compose check holds /tmp/dspark-compose-check.lock" >&2; exit 1; }
 docker info >/dev/null 2>&1 || { echo "error: no Docker daemon answers" >&2; exit 1; }
 command -v docker-compose >/dev/null || { echo "error: docker-compose is not installed" >&2; exit 1; }
 for port in 18000 15050 15051 15052 16379; do
@@ -52,11 +69,12 @@ if ! ls deploy/wheelhouse/torch-*.whl >/dev/null 2>&1 || ! ls deploy/wheelhouse/
   bash deploy/make_wheelhouse.sh "$PY"
   touch deploy/wheelhouse/.filled
 fi
+merge
 # Start from no containers of the project (a run stopped half-way leaves some), fresh secrets
 # (so the first start generates the API key) and an empty Redis; the model volume stays.
 compose down --remove-orphans >/dev/null 2>&1 || true
 docker volume rm -f "${PROJECT}_dspark-secrets" "${PROJECT}_redis-data" >/dev/null
-trap 'compose down --remove-orphans >/dev/null 2>&1 || true' EXIT
+trap 'compose down --remove-orphans >/dev/null 2>&1 || true; rm -f "$MERGED"' EXIT
 
 build_args=()
 [[ $COLD == 1 ]] && build_args+=(--no-cache)
@@ -70,10 +88,11 @@ echo "compose check: built in ${build_seconds} s ($([[ $COLD == 1 ]] && echo col
 # The monitoring profile (Prometheus, Grafana) is started too when the file has it and its
 # images are here (no registry to pull them from).
 profile_args=()
-monitoring_images="$(compose --profile monitoring config 2>/dev/null | "$PY" -c '
+merge --profile monitoring
+monitoring_images="$("$PY" -c '
 import sys, yaml
-services = (yaml.safe_load(sys.stdin) or {}).get("services", {})
-print(" ".join(s.get("image", "") for s in services.values() if "monitoring" in s.get("profiles", [])))' || true)"
+services = yaml.safe_load(open(sys.argv[1]))["services"]
+print(" ".join(s.get("image", "") for s in services.values() if "monitoring" in s.get("profiles", [])))' "$MERGED")"
 if [[ -n "$monitoring_images" ]]; then
   if docker image inspect $monitoring_images >/dev/null 2>&1; then
     profile_args+=(--profile monitoring)
@@ -84,7 +103,7 @@ fi
 
 report="${REPORT:-$(mktemp /tmp/dspark-compose-check.XXXXXX.json)}"
 set +e
-"$PY" deploy/compose_check.py --project "$PROJECT" "${profile_args[@]}" --report "$report"
+"$PY" deploy/compose_check.py --project "$PROJECT" --file "$MERGED" "${profile_args[@]}" --report "$report"
 code=$?
 set -e
 "$PY" - "$report" "$build_seconds" "$image_bytes" "$COLD" <<'PYEOF'

@@ -53,10 +53,10 @@ SHORT_CASES = [
 LONG_CASES = [
     {"messages": [{"role": "user", "content": "Write a long, detailed story about a lighthouse "
                                               "keeper, with many paragraphs."}],
-     "max_tokens": 192},
+     "max_tokens": 128},
     {"messages": [{"role": "user", "content": "Explain in detail, step by step, how a computer "
                                               "boots, in many paragraphs."}],
-     "max_tokens": 192},
+     "max_tokens": 128},
 ]
 READY_TIMEOUT_SECONDS = 600.0
 
@@ -253,12 +253,35 @@ def model_file_mtime(image: str, data_volume: str) -> str:
                   "stat -c '%n %Y %s' /data/dspark/models/*/model.safetensors").strip()
 
 
-def up(compose: Compose, client: Client, report: dict, label: str) -> None:
+class InBackground(threading.Thread):
+    """Runs fn() on a thread; result() joins and returns its value or raises its error."""
+
+    def __init__(self, fn) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.value, self.error = fn, None, None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # handed to the caller of result()
+            self.error = e
+
+    def result(self, timeout: float = 900):
+        self.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def up(compose: Compose, client: Client, report: dict, label: str, on_up=None) -> None:
     """`up -d`, then waits for the first authenticated answer and a healthy scheduler; the API
-    key is the one the secrets service generated at the first start."""
+    key is the one the secrets service generated at the first start. on_up() is called as soon
+    as `up -d` returns (the model is prepared by then)."""
     started = time.monotonic()
     compose.run("up", "-d")
     up_returned = time.monotonic() - started
+    if on_up is not None:
+        on_up()
     if not client.api_key:
         client.api_key = api_key_from_logs(compose)
     client.first_answer()
@@ -324,13 +347,13 @@ def check_scheduler_restart(compose: Compose, client: Client, finished_case: dic
     finished = client.chat(finished_case)
     finished_id = finished["id"]
     restarted: list[int] = []
+    restart = threading.Thread(target=compose.run, args=("restart", "scheduler"), daemon=True)
     stream_result: dict = {}
 
     def restart_after_first_chunk(tokens: list[int]) -> None:
         if tokens and not restarted:
             restarted.append(len(tokens))
-            threading.Thread(target=compose.run, args=("restart", "scheduler"),
-                             daemon=True).start()
+            restart.start()
 
     def stream() -> None:
         try:
@@ -342,10 +365,10 @@ def check_scheduler_restart(compose: Compose, client: Client, finished_case: dic
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
     reader.join(timeout=300)
-    time.sleep(2.0)  # the restart is under way (its thread started with the first chunk)
+    expect(bool(restarted), "the stream ended before the scheduler could be restarted")
+    restart.join(timeout=300)  # `restart` returns once the new container has started
     wait_healthy(compose.container("scheduler"))
     client.first_answer()
-    expect(bool(restarted), "the stream ended before the scheduler could be restarted")
 
     record = client.record(finished_id)
     expect(record["output_token_ids"] == finished_ref["output_ids"] and
@@ -427,7 +450,10 @@ def main() -> int:
     report: dict = {}
     try:
         client = Client(args.http_port, args.grpc_port, api_key="")
-        up(compose, client, report, "first")
+        cases = SHORT_CASES + LONG_CASES
+        # The reference runs while the services start.
+        references = InBackground(lambda: reference(args.image, data_volume, cases))
+        up(compose, client, report, "first", on_up=references.start)
         status, _ = client.call("GET", "/v1/models", key=None)
         expect(status == 401, f"/v1/models without a key answered {status}, not 401")
         status, _ = client.call("GET", "/v1/models", key="dsk-wrong")
@@ -435,8 +461,7 @@ def main() -> int:
         log("API keys are on: no key or a wrong key gets 401")
         check_monitoring(compose, report)
 
-        cases = SHORT_CASES + LONG_CASES
-        refs = reference(args.image, data_volume, cases)
+        refs = references.result()
         short_refs, long_refs = refs[:len(SHORT_CASES)], refs[len(SHORT_CASES):]
         report["long_reference_tokens"] = [len(r["output_ids"]) for r in long_refs]
         check_exact(client, short_refs, report)
@@ -446,7 +471,7 @@ def main() -> int:
         check_down_then_up_again(compose, client, args.image, data_volume, SHORT_CASES[1],
                                  short_refs[1], report)
         report["passed"] = True
-    except (CheckFailed, subprocess.TimeoutExpired) as e:
+    except (CheckFailed, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
         report["passed"] = False
         report["failure"] = str(e)
         log(f"FAILED: {e}")

@@ -24,11 +24,15 @@ def main() -> None:
     torch.set_num_threads(1)
     engine, tokenizer = build_engine(ensure_model(), None, "none", "float32", None)
     stops = stop_token_ids(tokenizer)
-    results = []
+    prompts = []
     for case in cases:
         text = tokenizer.apply_chat_template(case["messages"], tokenize=False,
                                              add_generation_prompt=True)
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # One request at a time: a request's greedy output does not depend on what else is batched,
+    # but the reference should not rely on that.
+    results = []
+    for case, prompt_ids in zip(cases, prompts):
         done = engine.generate([prompt_ids], SamplingParams(temperature=0), case["max_tokens"],
                                stops)
         results.append({"prompt_ids": prompt_ids, "output_ids": list(done[0].output_ids)})

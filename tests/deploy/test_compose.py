@@ -18,7 +18,7 @@ import yaml
 
 from dspark.serving.local_stack import REPO_ROOT
 
-CHECK_TIMEOUT_SECONDS = 1800  # a cold run builds the images and prepares the model
+CHECK_TIMEOUT_SECONDS = 2700  # a cold run also makes the base images, builds and prepares the model
 
 
 def docker_daemon_answers() -> bool:

@@ -33,6 +33,9 @@ class Scheduler:
     logger: object
     grpc_port: int
     http_port: int
+    make_app: object
+    """() -> a new FastAPI app of this scheduler's REST API (one per event loop that serves it:
+    Ray Serve's replica serves its own beside the uvicorn server)."""
 
     def stop(self) -> None:
         from dspark.serving import grpc_runtime
@@ -164,8 +167,10 @@ def start(config: SchedulerConfig) -> Scheduler:
                 "cohorts": len(cohorts), "running": loops.num_running(),
                 "waiting": loops.queue_depth()}
 
-    app = build_app(gateway, config.api_key_set, metrics, render_metrics, health_body)
-    rest_server = RestServer(app, config.host, config.http_port).start()
+    def make_app():
+        return build_app(gateway, config.api_key_set, metrics, render_metrics, health_body)
+
+    rest_server = RestServer(make_app(), config.host, config.http_port).start()
     grpc_runtime.set_serving(health, ["dspark.v1.Generation"], True)
     http_port = rest_server.port
     grpc_runtime.log_event(logger, "serving", http=f"{config.host}:{http_port}",
@@ -175,7 +180,7 @@ def start(config: SchedulerConfig) -> Scheduler:
                            store="redis" if config.redis_url else "memory", pid=os.getpid())
     return Scheduler(config, loops, grpc_server, health, rest_server,
                      [c.verifier for c in cohorts], drafters, tracing, meter_provider, logger,
-                     grpc_port, http_port)
+                     grpc_port, http_port, make_app)
 
 
 def serve(config: SchedulerConfig) -> int:

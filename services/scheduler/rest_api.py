@@ -425,7 +425,10 @@ class RestServer:
         self._server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off",
             limit_concurrency=limits.max_connections,
-            timeout_keep_alive=limits.keep_alive_seconds, backlog=limits.backlog))
+            timeout_keep_alive=limits.keep_alive_seconds, backlog=limits.backlog,
+            # The engine loop has drained its requests before `stop`: whatever is still open
+            # gets this long.
+            timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                          name="rest", daemon=True)
 

@@ -98,6 +98,19 @@ def run_embedded(args, models, prompts: list[list[int]], table_path: Path) -> tu
     return stats, [tokens[i] for i in ids]
 
 
+def run_together(n: int, one, go: threading.Barrier) -> float:
+    """`one(i)` for i < n, each in its own thread, all released at once through `go` (n + 1
+    parties); returns the release time once all have finished."""
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return t0
+
+
 def run_services(grpc_port: int, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list]:
     from dspark.serving.grpc_runtime import channel
     from dspark.serving.protos import pb, rpc
@@ -119,13 +132,7 @@ def run_services(grpc_port: int, prompts: list[list[int]], new_tokens: int) -> t
             tokens[i] += list(reply.token_ids)
             end[i] = now
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    t0 = run_together(n, one, go)
     return summarize([t0] * n, first, end, [len(t) for t in tokens], t0), tokens
 
 
@@ -155,13 +162,7 @@ def run_rest(http_port: int, prompts: list[list[int]], new_tokens: int) -> tuple
             end[i] = now
         conn.close()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    t0 = run_together(n, one, go)
     stats = summarize([t0] * n, first, end, [len(t) for t in tokens], t0)
     ttft = sorted(f - t0 for f in first)
     stats.update(ttft_median=statistics.median(ttft), ttft_p90=ttft[int(0.9 * (n - 1))])

@@ -167,3 +167,20 @@ def test_openapi_schema_and_docs(stack):
     assert {"prompt", "max_tokens", "stop", "seed", "stream_options"} <= set(request)
     with urllib.request.urlopen(base_url(stack) + "/docs", timeout=30) as r:
         assert r.status == 200 and b"swagger" in r.read().lower()
+
+
+def test_latency_histograms_and_errors_by_status_are_exported(stack):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    post(stack, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+    post(stack, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 0})
+    with urllib.request.urlopen(base_url(stack) + "/metrics", timeout=30) as r:
+        samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}
+    tiny = ("model_name", "tiny")
+    assert value[("dspark:time_to_first_token_seconds_count", (tiny,))] >= 1
+    assert value[("dspark:inter_token_latency_seconds_count", (tiny,))] >= 1
+    assert value[("dspark:e2e_request_latency_seconds_count", (tiny,))] >= 1
+    refused = ("dspark:http_requests_total", (("handler", "/v1/completions"), ("method", "POST"),
+                                              tiny, ("status", "400")))
+    assert value[refused] >= 1

@@ -19,14 +19,15 @@ Starlette between two waits.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-import anyio
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -187,31 +188,47 @@ class _ClientGone(Exception):
     pass
 
 
-async def _pieces(stream: GenerationStream, stop: list[str], limiter: anyio.CapacityLimiter,
-                  request: Request | None = None) -> AsyncIterator[Piece]:
-    """The stream's output cut at the first stop string. With `request` (a non-streaming
-    response), raises _ClientGone when its client closed the connection. The request is aborted
-    when this ends before the stream does (a stop string, a client gone, a cancelled response)."""
+def _next_chunks(stream: GenerationStream) -> list[Chunk]:
+    """Blocks (in a worker thread) up to STREAM_POLL_SECONDS for the stream's next chunk, then
+    takes every chunk already queued behind it: one thread hop per batch, not per chunk."""
+    chunk = stream.next_chunk(STREAM_POLL_SECONDS)
+    chunks = [] if chunk is None else [chunk]
+    while chunks and not stream.finished and (chunk := stream.next_chunk(0)) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+async def _pieces(stream: GenerationStream, stop: list[str], executor: ThreadPoolExecutor,
+                  request: Request | None = None) -> AsyncIterator[list[Piece]]:
+    """The stream's output cut at the first stop string, in batches of what had arrived. With
+    `request` (a non-streaming response), raises _ClientGone when its client closed the
+    connection. The request is aborted when this ends before the stream does (a stop string, a
+    client gone, a cancelled response)."""
     matcher = StopStrings(stop)
+    loop = asyncio.get_running_loop()
     try:
         while not stream.finished:
-            chunk = await anyio.to_thread.run_sync(stream.next_chunk, STREAM_POLL_SECONDS,
-                                                   limiter=limiter)
-            if chunk is None:
+            chunks = await loop.run_in_executor(executor, _next_chunks, stream)
+            if not chunks:
                 if request is not None and await request.is_disconnected():
                     raise _ClientGone()
                 continue
-            if chunk.error:
-                yield Piece("", chunk.token_ids, "error", chunk)
+            batch = []
+            for chunk in chunks:
+                if chunk.error:
+                    batch.append(Piece("", chunk.token_ids, "error", chunk))
+                    break
+                text, stopped = matcher.feed(chunk.text)
+                if stopped:
+                    batch.append(Piece(text, chunk.token_ids, "stop", chunk))
+                    break
+                if chunk.finished:
+                    text += matcher.flush()
+                batch.append(Piece(text, chunk.token_ids,
+                                   chunk.finish_reason if chunk.finished else None, chunk))
+            yield batch
+            if batch[-1].finish_reason is not None:
                 return
-            text, stopped = matcher.feed(chunk.text)
-            if stopped:
-                yield Piece(text, chunk.token_ids, "stop", chunk)
-                return
-            if chunk.finished:
-                text += matcher.flush()
-            yield Piece(text, chunk.token_ids, chunk.finish_reason if chunk.finished else None,
-                        chunk)
     finally:
         stream.cancel()  # nothing if it finished; else nobody reads it: free its caches now
 
@@ -239,15 +256,14 @@ class RestApi:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self._limiter: anyio.CapacityLimiter | None = None
+        self.executor = ThreadPoolExecutor(ServerLimits.max_connections,
+                                           thread_name_prefix="rest-wait")
+        """Worker threads for what blocks: tokenizing and submitting, and waiting on request
+        queues (one per request in flight; anyio's default pool of 40 would queue the 41st
+        stream behind the others)."""
 
-    @property
-    def limiter(self) -> anyio.CapacityLimiter:
-        """Worker threads waiting on request queues: one per request in flight (anyio's default
-        of 40 would queue the 41st stream behind the others). Made inside the event loop."""
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(ServerLimits.max_connections)
-        return self._limiter
+    async def in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def start(self, body: CompletionRequest | ChatCompletionRequest) -> GenerationStream:
         """Validate against the model, tokenize (in a worker thread: it is CPU work) and submit."""
@@ -263,7 +279,7 @@ class RestApi:
                 prompt_ids, kind = g.encode_prompt(body.prompt), "cmpl"
             return g.start(g.spec(prompt_ids, **body.sampling()), g.new_request_id(kind))
 
-        return await anyio.to_thread.run_sync(submit, limiter=self.limiter)
+        return await self.in_thread(submit)
 
     async def respond(self, stream: GenerationStream, request: Request, chat: bool,
                       streaming: bool, stop: list[str], include_usage: bool) -> Response:
@@ -273,9 +289,9 @@ class RestApi:
                                      headers={"Cache-Control": "no-cache"})
         text, last = "", None
         try:
-            async for piece in _pieces(stream, stop, self.limiter, request):
-                text += piece.text
-                last = piece
+            async for batch in _pieces(stream, stop, self.executor, request):
+                text += "".join(piece.text for piece in batch)
+                last = batch[-1]
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was aborted
         assert last is not None, "a generation stream ends with a finished chunk"
@@ -296,32 +312,42 @@ class RestApi:
                       include_usage: bool) -> AsyncIterator[bytes]:
         created, model = int(time.time()), self.gateway.model_name
 
-        def envelope(text: str, finish_reason: str | None, extras: DsparkExtras,
-                     usage: Usage | None, role: bool = False) -> str:
+        def event(text: str, finish_reason: str | None, extras: DsparkExtras,
+                  usage: Usage | None, role: bool = False) -> bytes:
+            # model_construct: the values are ours and already valid; this runs once per
+            # chunk of every stream, on the thread that also serves every other request.
             common = {"id": stream.request_id, "created": created, "model": model,
                       "usage": usage, "dspark": extras}
             if chat:
-                delta = DeltaMessage(role="assistant" if role else None, content=text)
-                return ChatCompletionChunk(choices=[ChatChunkChoice(
-                    delta=delta, finish_reason=finish_reason)], **common).model_dump_json()
-            return CompletionResponse(choices=[CompletionChoice(
-                text=text, finish_reason=finish_reason)], **common).model_dump_json()
+                delta = DeltaMessage.model_construct(role="assistant" if role else None,
+                                                     content=text)
+                body = ChatCompletionChunk.model_construct(choices=[
+                    ChatChunkChoice.model_construct(delta=delta, finish_reason=finish_reason)],
+                    **common)
+            else:
+                body = CompletionResponse.model_construct(choices=[
+                    CompletionChoice.model_construct(text=text, finish_reason=finish_reason)],
+                    **common)
+            return _sse(body.model_dump_json())
 
         if chat:
-            yield _sse(envelope("", None, DsparkExtras(token_ids=[]), None, role=True))
-        async for piece in _pieces(stream, stop, self.limiter):
-            if piece.chunk.error:
-                yield _sse(ErrorResponse(error={
-                    "message": f"generation failed: {piece.chunk.error}",
-                    "type": "service_unavailable", "code": 503}).model_dump_json())
-                break
-            extras = DsparkExtras(token_ids=piece.token_ids)
-            usage = None
-            if piece.finish_reason is not None:
-                extras.spec_decode = _spec_metrics(piece.chunk)
-                if include_usage or not chat:
-                    usage = _usage(piece.chunk)
-            yield _sse(envelope(piece.text, piece.finish_reason, extras, usage))
+            yield event("", None, DsparkExtras.model_construct(token_ids=[]), None, role=True)
+        async for batch in _pieces(stream, stop, self.executor):
+            events = []
+            for piece in batch:
+                if piece.chunk.error:
+                    events.append(_sse(ErrorResponse(error={
+                        "message": f"generation failed: {piece.chunk.error}",
+                        "type": "service_unavailable", "code": 503}).model_dump_json()))
+                    break
+                extras = DsparkExtras.model_construct(token_ids=piece.token_ids)
+                usage = None
+                if piece.finish_reason is not None:
+                    extras.spec_decode = _spec_metrics(piece.chunk)
+                    if include_usage or not chat:
+                        usage = _usage(piece.chunk)
+                events.append(event(piece.text, piece.finish_reason, extras, usage))
+            yield b"".join(events)
         yield _sse("[DONE]")
 
     def stored(self, request_id: str) -> StoredRequestView:
@@ -399,7 +425,7 @@ def build_app(gateway: Gateway, api_keys: frozenset[str], metrics: SchedulerMetr
     async def resume(request_id: str, request: Request,
                      body: ResumeRequest | None = None) -> Response:
         _check_request_id(request_id)
-        stream = await anyio.to_thread.run_sync(gateway.resume, request_id, limiter=api.limiter)
+        stream = await api.in_thread(gateway.resume, request_id)
         return await api.respond(stream, request, chat=False,
                                  streaming=bool(body and body.stream), stop=[],
                                  include_usage=False)

@@ -213,6 +213,7 @@ def compare_gateways(args, models, table_path: Path, work: Path, tokenizer) -> l
             for name, stats in runs.items():
                 row[name] = {k: statistics.median(s[k] for s in stats)
                              for k in ("throughput", "ttft_median", "ttft_p90", "per_user")}
+                row[name]["throughput_runs"] = [s["throughput"] for s in stats]
             row["throughput_ratio"] = row["current"]["throughput"] / row["baseline"]["throughput"]
             row["ttft_ratio"] = row["current"]["ttft_median"] / row["baseline"]["ttft_median"]
             rows.append(row)

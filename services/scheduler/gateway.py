@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dspark.engine import RequestMetrics
 from dspark.sampling import SamplingParams
@@ -105,6 +105,18 @@ class GenerationStream:
             self._first_output, self._last_output = False, now
         if event.finished:
             metrics.record_request_latency(now - self._started)
+
+    def call_on_event(self, callback: Callable[[], None]) -> None:
+        """Have `callback` called on the engine loop's thread after each event is queued for
+        this stream, so that an asyncio front end can wait for events without a thread of its
+        own (it then reads them with `next_chunk(timeout=0)`)."""
+        put = self._events.put
+
+        def put_then_call(*args, **kwargs) -> None:
+            put(*args, **kwargs)
+            callback()
+
+        self._events.put = put_then_call
 
     def cancel(self) -> None:
         if not self.finished:

@@ -10,11 +10,13 @@ probes and scrapers. Every 4xx has OpenAI's body `{"error": {"message", "type", 
 a body that fails validation is a 400 whose `param` names the field (services.scheduler.
 openai_models), not FastAPI's 422.
 
-The engine loop is a thread that feeds each request's queue (services.scheduler.gateway); a
-handler waits on that queue in a worker thread, `STREAM_POLL_SECONDS` at a time. A client that
-goes away has its request aborted and its caches freed at once: a streaming one through
-Starlette's disconnect listener (it cancels the response), a non-streaming one by asking
-Starlette between two waits.
+The engine loop is a thread that feeds each request's queue (services.scheduler.gateway); it
+wakes the handler's event loop when it queues an event, and the handler reads (and detokenizes)
+what arrived on the event loop: no thread waits per request, and a round's events for all
+streams cost one wake-up. Tokenizing a prompt runs in a worker thread. A client that goes away
+has its request aborted and its caches freed at once: a streaming one through Starlette's
+disconnect listener (it cancels the response), a non-streaming one by asking Starlette after
+`STREAM_POLL_SECONDS` without events.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ from services.scheduler.stop_strings import StopStrings
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 STREAM_POLL_SECONDS = 0.25
-"""How long a handler waits on its request's queue before checking whether its client left."""
+"""How long a non-streaming handler waits without events before checking its client is there."""
+TOKENIZER_THREADS = 8
+"""Worker threads that tokenize and submit requests (the tokenizer takes one call at a time)."""
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]+$")
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
                500: "internal_error", 503: "service_unavailable"}
@@ -188,30 +192,31 @@ class _ClientGone(Exception):
     pass
 
 
-def _next_chunks(stream: GenerationStream) -> list[Chunk]:
-    """Blocks (in a worker thread) up to STREAM_POLL_SECONDS for the stream's next chunk, then
-    takes every chunk already queued behind it: one thread hop per batch, not per chunk."""
-    chunk = stream.next_chunk(STREAM_POLL_SECONDS)
-    chunks = [] if chunk is None else [chunk]
-    while chunks and not stream.finished and (chunk := stream.next_chunk(0)) is not None:
-        chunks.append(chunk)
-    return chunks
-
-
-async def _pieces(stream: GenerationStream, stop: list[str], executor: ThreadPoolExecutor,
+async def _pieces(stream: GenerationStream, stop: list[str],
                   request: Request | None = None) -> AsyncIterator[list[Piece]]:
-    """The stream's output cut at the first stop string, in batches of what had arrived. With
-    `request` (a non-streaming response), raises _ClientGone when its client closed the
-    connection. The request is aborted when this ends before the stream does (a stop string, a
-    client gone, a cancelled response)."""
+    """The stream's output cut at the first stop string, in batches of what had arrived.
+
+    The engine loop's thread wakes this coroutine's event loop when it queues an event (one
+    cross-thread hop per event; no thread waits per request). With `request` (a non-streaming
+    response), raises _ClientGone when its client closed the connection, checked every
+    STREAM_POLL_SECONDS without events. The request is aborted when this ends before the
+    stream does (a stop string, a client gone, a cancelled response)."""
     matcher = StopStrings(stop)
     loop = asyncio.get_running_loop()
+    arrived = asyncio.Event()
+    stream.call_on_event(lambda: loop.call_soon_threadsafe(arrived.set))
     try:
         while not stream.finished:
-            chunks = await loop.run_in_executor(executor, _next_chunks, stream)
+            chunks = []
+            while not stream.finished and (chunk := stream.next_chunk(0)) is not None:
+                chunks.append(chunk)
             if not chunks:
-                if request is not None and await request.is_disconnected():
-                    raise _ClientGone()
+                arrived.clear()  # a later event's set() runs after this: no wake-up is lost
+                try:
+                    await asyncio.wait_for(arrived.wait(), STREAM_POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        raise _ClientGone()
                 continue
             batch = []
             for chunk in chunks:
@@ -256,11 +261,8 @@ class RestApi:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.executor = ThreadPoolExecutor(ServerLimits.max_connections,
-                                           thread_name_prefix="rest-wait")
-        """Worker threads for what blocks: tokenizing and submitting, and waiting on request
-        queues (one per request in flight; anyio's default pool of 40 would queue the 41st
-        stream behind the others)."""
+        self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="rest-tokenize")
+        """Worker threads for what blocks: tokenizing and submitting a request, resuming one."""
 
     async def in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -289,7 +291,7 @@ class RestApi:
                                      headers={"Cache-Control": "no-cache"})
         text, last = "", None
         try:
-            async for batch in _pieces(stream, stop, self.executor, request):
+            async for batch in _pieces(stream, stop, request):
                 text += "".join(piece.text for piece in batch)
                 last = batch[-1]
         except _ClientGone:
@@ -332,7 +334,7 @@ class RestApi:
 
         if chat:
             yield event("", None, DsparkExtras.model_construct(token_ids=[]), None, role=True)
-        async for batch in _pieces(stream, stop, self.executor):
+        async for batch in _pieces(stream, stop):
             events = []
             for piece in batch:
                 if piece.chunk.error:

@@ -441,7 +441,7 @@ class RestServer:
         self.port: int = self._socket.getsockname()[1]
         # loop="asyncio", not uvloop: the stdlib transport's socket writes release the GIL, so
         # the engine loop's thread runs during them (tiny-model bench, 16 / 64 streams: 0.80 /
-        # 0.86x the old gateway's throughput on uvloop, 0.94 / 1.06x on asyncio, same run).
+        # 0.86x the old gateway's throughput on uvloop, 0.94 / 1.06x on asyncio, back-to-back runs).
         self._server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off", loop="asyncio",
             limit_concurrency=limits.max_connections,

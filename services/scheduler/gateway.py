@@ -14,12 +14,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dspark.engine import RequestMetrics
 from dspark.sampling import SamplingParams
 from dspark.serving.cohorts import Cohorts
 from dspark.serving.engine_loop import StreamEvent, Submission
+from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStatus, RequestStore, StoredRequest
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -67,6 +68,8 @@ class GenerationStream:
         self._events = events
         self._printed = gateway.decode(self.output_ids)
         self.finished = False
+        self._started = self._last_output = time.monotonic()
+        self._first_output = True
 
     def __iter__(self) -> Iterator[Chunk]:
         while not self.finished:
@@ -79,6 +82,7 @@ class GenerationStream:
         except queue.Empty:
             return None
         self.output_ids += event.new_token_ids
+        self._record_latency(event)
         text = self.gateway.decode(self.output_ids)
         # Hold back an incomplete UTF-8 character (decodes to U+FFFD until complete).
         delta = ""
@@ -88,6 +92,32 @@ class GenerationStream:
         return Chunk(event.new_token_ids, delta, event.finished, event.finish_reason,
                      len(self.prompt_ids), len(self.output_ids), event.metrics, event.error)
 
+    def _record_latency(self, event: StreamEvent) -> None:
+        """Time to first token, between outputs, and to the end, into the gateway's metrics."""
+        metrics, now = self.gateway.metrics, time.monotonic()
+        if metrics is None:
+            return
+        if event.new_token_ids:
+            if self._first_output:
+                metrics.record_first_token(now - self._started)
+            else:
+                metrics.record_inter_token(now - self._last_output)
+            self._first_output, self._last_output = False, now
+        if event.finished:
+            metrics.record_request_latency(now - self._started)
+
+    def call_on_event(self, callback: Callable[[], None]) -> None:
+        """Have `callback` called on the engine loop's thread after each event is queued for
+        this stream, so that an asyncio front end can wait for events without a thread of its
+        own (it then reads them with `next_chunk(timeout=0)`)."""
+        put = self._events.put
+
+        def put_then_call(*args, **kwargs) -> None:
+            put(*args, **kwargs)
+            callback()
+
+        self._events.put = put_then_call
+
     def cancel(self) -> None:
         if not self.finished:
             self.gateway.loop.cancel(self.request_id)
@@ -96,8 +126,10 @@ class GenerationStream:
 class Gateway:
     def __init__(self, loop: Cohorts, store: RequestStore, tokenizer, model_name: str,
                  max_tokens_limit: int, max_context_tokens: int, vocab_size: int,
-                 stop_token_ids: list[int]) -> None:
+                 stop_token_ids: list[int], metrics: SchedulerMetrics | None = None) -> None:
         self.loop = loop
+        self.metrics = metrics
+        """Where the streams record their latencies (None: nowhere)."""
         self.store = store
         self.tokenizer = tokenizer
         self.model_name = model_name

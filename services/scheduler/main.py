@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,6 @@ class Scheduler:
     grpc_server: object
     health: object
     rest_server: object
-    rest_thread: threading.Thread
     verifiers: list
     drafters: list
     tracing: object
@@ -35,14 +33,16 @@ class Scheduler:
     logger: object
     grpc_port: int
     http_port: int
+    make_app: object
+    """() -> a new FastAPI app of this scheduler's REST API (one per event loop that serves it:
+    Ray Serve's replica serves its own beside the uvicorn server)."""
 
     def stop(self) -> None:
         from dspark.serving import grpc_runtime
 
         grpc_runtime.set_serving(self.health, ["dspark.v1.Generation"], False)
         self.loop.stop(self.config.grace_seconds)  # drain in-flight requests
-        self.rest_server.shutdown()
-        self.rest_server.server_close()
+        self.rest_server.stop()
         self.grpc_server.stop(1.0).wait()
         for proxy in [*self.drafters, *self.verifiers]:
             proxy.close()
@@ -126,7 +126,7 @@ def start(config: SchedulerConfig) -> Scheduler:
     from dspark.serving.tracing import setup_tracing
     from services.scheduler.gateway import Gateway
     from services.scheduler.grpc_api import ApiKeyInterceptor, GenerationServicer
-    from services.scheduler.rest_api import RestServer
+    from services.scheduler.rest_api import RestServer, build_app
 
     logger = grpc_runtime.service_logger("scheduler")
     tracing = setup_tracing("scheduler", config)
@@ -146,7 +146,8 @@ def start(config: SchedulerConfig) -> Scheduler:
                      for i, c in enumerate(cohorts)])
     verifier = cohorts[0].verifier
     gateway = Gateway(loops, store, tokenizer, config.model_name, config.max_tokens_limit,
-                      verifier.max_context_tokens, verifier.vocab_size, stop_token_ids(tokenizer))
+                      verifier.max_context_tokens, verifier.vocab_size, stop_token_ids(tokenizer),
+                      metrics)
     loops.start()
 
     grpc_server, health = grpc_runtime.new_server(
@@ -156,7 +157,7 @@ def start(config: SchedulerConfig) -> Scheduler:
     grpc_server.start()
     drafters = [c.drafter for c in cohorts if c.drafter is not None]
 
-    def render_metrics() -> str:
+    def render_metrics() -> bytes:
         metrics.set_fallback_rounds(sum(d.fallback_rounds for d in drafters))
         return metrics.render()
 
@@ -166,20 +167,20 @@ def start(config: SchedulerConfig) -> Scheduler:
                 "cohorts": len(cohorts), "running": loops.num_running(),
                 "waiting": loops.queue_depth()}
 
-    rest_server = RestServer((config.host, config.http_port), gateway, config.api_key_set,
-                             render_metrics, health_body)
-    rest_thread = threading.Thread(target=rest_server.serve_forever, name="rest", daemon=True)
-    rest_thread.start()
+    def make_app():
+        return build_app(gateway, config.api_key_set, metrics, render_metrics, health_body)
+
+    rest_server = RestServer(make_app(), config.host, config.http_port).start()
     grpc_runtime.set_serving(health, ["dspark.v1.Generation"], True)
-    http_port = rest_server.server_address[1]
+    http_port = rest_server.port
     grpc_runtime.log_event(logger, "serving", http=f"{config.host}:{http_port}",
                            grpc=f"{config.host}:{grpc_port}", verifier=config.verifier,
                            drafter=config.drafter or None, policy=config.policy,
                            cohorts=config.cohorts,
                            store="redis" if config.redis_url else "memory", pid=os.getpid())
-    return Scheduler(config, loops, grpc_server, health, rest_server, rest_thread,
+    return Scheduler(config, loops, grpc_server, health, rest_server,
                      [c.verifier for c in cohorts], drafters, tracing, meter_provider, logger,
-                     grpc_port, http_port)
+                     grpc_port, http_port, make_app)
 
 
 def serve(config: SchedulerConfig) -> int:

@@ -14,6 +14,7 @@ noticed on the next write, a non-streaming one by polling its socket while it wa
 from __future__ import annotations
 
 import json
+import logging
 import re
 import select
 import socket
@@ -22,7 +23,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from services.scheduler.gateway import Chunk, Gateway, GenerationStream, InvalidRequest
+from dspark.serving.auth import ApiKeys
+from services.scheduler.gateway import Chunk, Gateway, GenerationStream, InvalidRequest, Overloaded
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # A non-streaming request checks this often whether its client is still connected.
@@ -46,7 +48,7 @@ class RestServer(ThreadingHTTPServer):
     """Listen backlog. socketserver's default of 5 is too small when many clients connect at once,
     e.g. a load test starting 16 users."""
 
-    def __init__(self, address: tuple[str, int], gateway: Gateway, api_keys: frozenset[str],
+    def __init__(self, address: tuple[str, int], gateway: Gateway, api_keys: ApiKeys,
                  render_metrics: Callable[[], str], health: Callable[[], dict]) -> None:
         super().__init__(address, RestHandler)
         self.gateway = gateway
@@ -70,27 +72,32 @@ class RestHandler(BaseHTTPRequestHandler):
         pass
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _send_json(self, status: int, body: dict) -> None:
+    def _send_json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
     def _send_error(self, error: InvalidRequest) -> None:
-        kind = {401: "authentication_error", 404: "not_found_error",
-                503: "service_unavailable"}.get(error.status, "invalid_request_error")
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
+                500: "server_error", 503: "service_unavailable"}.get(error.status,
+                                                                     "invalid_request_error")
+        headers = ({"Retry-After": str(error.retry_after_seconds)}
+                   if isinstance(error, Overloaded) else None)
         self._send_json(error.status, {"error": {"message": error.message, "type": kind,
-                                                 "param": error.param, "code": error.status}})
+                                                 "param": error.param, "code": error.status}},
+                        headers)
 
     def _check_auth(self) -> None:
-        keys = self.server.api_keys
-        if not keys:
-            return
-        header = self.headers.get("Authorization", "")
-        if not header.startswith("Bearer ") or header[len("Bearer "):].strip() not in keys:
+        """Sets self._owner, the caller's key fingerprint that its requests are bound to."""
+        owner = self.server.api_keys.owner(self.headers.get("Authorization", ""))
+        if owner is None:
             raise InvalidRequest("missing or invalid API key (Authorization: Bearer <key>)", 401)
+        self._owner = owner
 
     def _read_json(self) -> dict:
         try:
@@ -105,8 +112,10 @@ class RestHandler(BaseHTTPRequestHandler):
         self._body_read = True
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"invalid JSON body: {e}")
+        except RecursionError:
+            raise InvalidRequest("invalid JSON body: nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
+            raise InvalidRequest(f"invalid JSON body: {str(e)[:200]}") from None
         if not isinstance(body, dict):
             raise InvalidRequest("the JSON body must be an object")
         return body
@@ -131,6 +140,13 @@ class RestHandler(BaseHTTPRequestHandler):
             self._send_error(e)
         except (BrokenPipeError, ConnectionResetError):
             pass
+        except Exception:  # a bug: a 500 with a body, the traceback only in the log
+            logging.getLogger("dspark.scheduler").exception("unexpected error on %s", path)
+            self.close_connection = True
+            try:
+                self._send_error(InvalidRequest("internal server error", 500))
+            except OSError:
+                pass
 
     def _drain_body(self) -> None:
         """Read an unread body so the connection stays usable for the next request."""
@@ -193,7 +209,7 @@ class RestHandler(BaseHTTPRequestHandler):
         if "prompt" not in body:
             raise InvalidRequest("'prompt' is required", param="prompt")
         spec = g.spec(g.encode_prompt(body["prompt"]), **params)
-        stream = g.start(spec, g.new_request_id("cmpl"))
+        stream = g.start(spec, g.new_request_id("cmpl"), self._owner)
         self._respond(stream, chat=False, streaming=body.get("stream", False))
 
     def _chat_completions(self) -> None:
@@ -205,14 +221,17 @@ class RestHandler(BaseHTTPRequestHandler):
         if "messages" not in body:
             raise InvalidRequest("'messages' is required", param="messages")
         spec = g.spec(g.encode_chat(body["messages"]), **params)
-        stream = g.start(spec, g.new_request_id("chatcmpl"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):  # checked before starting: nobody would read it
+            raise InvalidRequest("stream_options must be an object", param="stream_options")
+        include_usage = bool(options.get("include_usage", False))
+        stream = g.start(spec, g.new_request_id("chatcmpl"), self._owner)
         self._respond(stream, chat=True, streaming=body.get("stream", False),
                       include_usage=include_usage)
 
     def _fetch(self, request_id: str) -> None:
         g = self.server.gateway
-        r = g.fetch(request_id)
+        r = g.fetch(request_id, self._owner)
         self._send_json(200, {"id": r.request_id, "object": "dspark.request", "status": r.status,
                               "finish_reason": r.finish_reason or None,
                               "prompt_token_ids": r.prompt_ids, "output_token_ids": r.output_ids,
@@ -222,7 +241,7 @@ class RestHandler(BaseHTTPRequestHandler):
     def _resume(self, request_id: str) -> None:
         body = self._read_json() if self.headers.get("Content-Length") not in (None, "0") else {}
         self._body_read = True
-        stream = self.server.gateway.resume(request_id)
+        stream = self.server.gateway.resume(request_id, self._owner)
         self._respond(stream, chat=False, streaming=bool(body.get("stream", False)))
 
     def _client_gone(self) -> bool:

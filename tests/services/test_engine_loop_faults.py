@@ -166,3 +166,19 @@ def test_requests_beyond_the_kv_cache_wait_instead_of_failing(tiny_models, solo)
                                  kv_block_size=manager.block_size))
     done = engine.generate(PROMPTS, SamplingParams(temperature=0), MAX_TOKENS)
     assert [r.output_ids for r in done] == [solo[tuple(p)] for p in PROMPTS]
+
+
+def test_a_top_k_request_verified_beside_greedy_ones_hurts_no_one(tiny_models, solo):
+    """The drafter returns a greedy request's block sparse with k = 1 and a top_k = 5 request's
+    with k = 5; one round verifies both. Their supports have different widths and were
+    concatenated as they were, failing the round for every request."""
+    engine = make_engine(tiny_models)
+    for p in PROMPTS[:2]:
+        engine.add_request(p, SamplingParams(temperature=0), MAX_TOKENS)
+    engine.add_request(PROMPTS[2], SamplingParams(temperature=1.0, top_k=5, seed=7), MAX_TOKENS)
+    engine.add_request(PROMPTS[3], SamplingParams(temperature=0.8, top_k=2, seed=8), MAX_TOKENS)
+    done = {}
+    for out in engine.stream():
+        done.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [done[i] for i in range(2)] == [solo[tuple(p)] for p in PROMPTS[:2]]
+    assert all(len(done[i]) == MAX_TOKENS for i in (2, 3))

@@ -40,7 +40,9 @@ class Submission:
     max_tokens: int
     stop_token_ids: list[int]
     stored: StoredRequest | None = None
-    """The store record to create, or None when resuming one that exists."""
+    """The request's record, already in the store (the gateway writes it before submitting, so
+    that a store that is down refuses the request before its response starts); its output_ids
+    are the tokens stored before this submission (a resumed request). None: nothing stored."""
 
 
 @dataclass
@@ -177,8 +179,6 @@ class EngineLoop:
                 self._finish_aborted(rid, "abort")
 
     def _add(self, s: Submission, events: queue.Queue) -> None:
-        if s.stored is not None:
-            self.store.create(s.stored)
         span = self.tracer.start_span("scheduler.request", attributes={
             "dspark.request_id": s.request_id, "dspark.prompt_tokens": len(s.prompt_ids),
             "dspark.max_tokens": s.max_tokens})

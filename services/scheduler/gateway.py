@@ -284,11 +284,19 @@ class Gateway:
         return GenerationStream(self, request_id, record.prompt_ids, record.output_ids, events)
 
     def _submit(self, submission: Submission) -> queue.Queue:
-        """Under _submit_lock."""
+        """Admit, store, then queue (under _submit_lock). Storing here, before the response has
+        started, lets a store that is down refuse the request with a 503 instead of failing it
+        after its 200."""
         waiting = self.loop.queue_depth()
         if waiting >= self.max_waiting:
             raise Overloaded(f"the server is at capacity ({waiting} requests waiting); retry "
                              f"after {RETRY_AFTER_SECONDS} s")
+        if submission.stored is not None:
+            try:
+                self.store.create(submission.stored)
+            except Exception as e:
+                raise InvalidRequest(f"the request store is unavailable: {type(e).__name__}; "
+                                     "retry shortly", status=503) from e
         try:
             return self.loop.submit(submission)
         except RuntimeError as e:

@@ -48,11 +48,14 @@ def solo(tiny_models):
             for p in PROMPTS}
 
 
-def submission(i: int, prompt: list[int]) -> Submission:
+def submission(i: int, prompt: list[int], store=None) -> Submission:
+    """Request r<i>, created in `store` as the gateway does before submitting."""
     rid = f"r{i}"
-    return Submission(rid, prompt, SamplingParams(temperature=0), MAX_TOKENS, [],
-                      StoredRequest(rid, prompt, {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
-                                                  "seed": None}, MAX_TOKENS, []))
+    record = StoredRequest(rid, prompt, {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                                         "seed": None}, MAX_TOKENS, [])
+    if store is not None:
+        store.create(record)
+    return Submission(rid, prompt, SamplingParams(temperature=0), MAX_TOKENS, [], record)
 
 
 def drain(events: queue.Queue, timeout: float = 120) -> tuple[list[int], StreamEvent]:
@@ -94,7 +97,7 @@ def test_a_failing_store_neither_stops_nor_corrupts_generation(tiny_models, solo
     store = FlakyStore(fail_from=2, fail_until=6, applied_anyway=applied_anyway)
     loop = start_loop(make_engine(tiny_models), store)
     try:
-        streams = [loop.submit(submission(i, p)) for i, p in enumerate(PROMPTS)]
+        streams = [loop.submit(submission(i, p, store)) for i, p in enumerate(PROMPTS)]
         for i, (p, events) in enumerate(zip(PROMPTS, streams)):
             tokens, last = drain(events)
             assert last.finish_reason == "length" and last.error is None
@@ -106,24 +109,21 @@ def test_a_failing_store_neither_stops_nor_corrupts_generation(tiny_models, solo
         loop.stop(1.0)
 
 
-class CancellingStore(InMemoryRequestStore):
-    """Cancels each request from inside its creation: after the loop took it from the inbox and
-    before it is live, the window in which a client's disconnect used to be dropped."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cohorts: Cohorts | None = None
-
-    def create(self, record) -> None:
-        super().create(record)
-        self.cohorts.cancel(record.request_id)
-
-
 def test_a_cancel_while_the_request_is_being_added_is_not_lost(tiny_models):
-    store = CancellingStore()
-    loop = EngineLoop(make_engine(tiny_models), store, NoMetrics(), trace.get_tracer("test"),
+    """The client cancels from inside the engine's add_request: after the loop took the request
+    from the inbox and before it is live, the window in which a disconnect used to be dropped."""
+    engine = make_engine(tiny_models)
+    loop = EngineLoop(engine, InMemoryRequestStore(), NoMetrics(), trace.get_tracer("test"),
                       logging.getLogger("test.engine_loop"), "tiny")
-    store.cohorts = Cohorts([loop])
+    cohorts = Cohorts([loop])
+    add_request = engine.add_request
+
+    def add_then_cancel(*args, **kwargs):
+        rid = add_request(*args, **kwargs)
+        cohorts.cancel(rid)
+        return rid
+
+    engine.add_request = add_then_cancel
     loop.start()
     try:
         tokens, last = drain(loop.submit(submission(0, PROMPTS[0])))

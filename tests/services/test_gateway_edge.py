@@ -204,3 +204,15 @@ def test_a_stream_emits_the_text_of_its_tokens():
     stream = GenerationStream(g, "cmpl-x", [1], [2], events)
     text = "".join(chunk.text for chunk in stream)
     assert text == " t3 t4 t5" and stream.output_ids == [2, 3, 4, 5]
+
+
+def test_a_store_that_is_down_refuses_before_the_response_starts():
+    class DownStore(InMemoryRequestStore):
+        def create(self, record) -> None:
+            raise ConnectionError("redis down")
+
+    g = make_gateway()
+    g.store = DownStore()
+    with pytest.raises(InvalidRequest) as e:
+        g.start(g.spec([1], max_tokens=2), g.new_request_id())
+    assert e.value.status == 503 and g.loop.submitted == []

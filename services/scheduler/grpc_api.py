@@ -7,6 +7,8 @@ speculative metrics. A client that cancels or disconnects has its request aborte
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from dspark.serving import messages
@@ -14,6 +16,7 @@ from dspark.serving.auth import ApiKeys
 from dspark.serving.protos import pb, rpc
 from services.scheduler.gateway import Gateway, GenerationStream, InvalidRequest, Overloaded
 
+_LOGGER = logging.getLogger("dspark.scheduler")
 _GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
               404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.FAILED_PRECONDITION,
               429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
@@ -88,6 +91,9 @@ class GenerationServicer(rpc.generation.GenerationServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
         except InvalidRequest as e:
             context.abort(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
+        except Exception:  # a bug: INTERNAL without internals (gRPC would send the message)
+            _LOGGER.exception("unexpected error in Generate")
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
         context.add_callback(stream.cancel)  # no-op once finished
         for chunk in stream:
             if chunk.error:
@@ -112,6 +118,9 @@ class GenerationServicer(rpc.generation.GenerationServicer):
             r = self.gateway.fetch(request.request_id, self._owner(context))
         except InvalidRequest as e:
             context.abort(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
+        except Exception:
+            _LOGGER.exception("unexpected error in GetRequest")
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
         from dspark.sampling import SamplingParams
 
         s = r.sampling

@@ -72,7 +72,9 @@ def token_matches(given: str, token: str) -> bool:
                                hashlib.sha256(token.encode()).digest())
 
 
-def _deny(handler, code: grpc.StatusCode, message: str):
+def deny_handler(handler, code: grpc.StatusCode, message: str):
+    """A method handler of `handler`'s kind that aborts every call with `code`."""
+
     def deny(request, context):
         context.abort(code, message)
 
@@ -100,7 +102,8 @@ class InternalTokenInterceptor(grpc.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         if token_matches(str(metadata.get(INTERNAL_TOKEN_METADATA, "")), self.token):
             return handler
-        return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid internal token")
+        return deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid internal token")
 
 
 class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

@@ -12,7 +12,7 @@ import logging
 import grpc
 
 from dspark.serving import messages
-from dspark.serving.auth import ApiKeys
+from dspark.serving.auth import ApiKeys, deny_handler
 from dspark.serving.protos import pb, rpc
 from services.scheduler.gateway import Gateway, GenerationStream, InvalidRequest, Overloaded
 
@@ -39,16 +39,8 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         if self.keys.owner(str(metadata.get("authorization", ""))) is not None:
             return handler
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or invalid API key (metadata authorization: Bearer <key>)")
-
-        if handler is not None and handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                deny, request_deserializer=handler.request_deserializer)
-        return grpc.unary_unary_rpc_method_handler(
-            deny, request_deserializer=handler.request_deserializer if handler else None)
+        return deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid API key (metadata authorization: Bearer <key>)")
 
 
 class GenerationServicer(rpc.generation.GenerationServicer):

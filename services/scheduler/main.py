@@ -85,13 +85,15 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
         grpc_runtime.log_event(logger, "drafter back: speculating" if available
                                else "drafter lost: plain decoding until it is back")
 
-    verifier = RemoteVerifier(config.verifier, config.verifier_wait_seconds, on_restore=restored)
+    token = config.internal_token_value
+    verifier = RemoteVerifier(config.verifier, config.verifier_wait_seconds, on_restore=restored,
+                              internal_token=token)
     policy = AdmissionPolicy.parse(config.policy)
     drafter = None
     if config.drafter and str(policy) != "none":
         drafter = RemoteDrafter(config.drafter, config.draft_timeout_seconds,
                                 config.drafter_retry_seconds, config.verifier_wait_seconds,
-                                on_state_change=drafter_state)
+                                on_state_change=drafter_state, internal_token=token)
         if drafter.target_layer_ids != verifier.hidden_layer_ids:
             raise SystemExit(f"the drafter reads target layers {drafter.target_layer_ids} but the "
                              f"verifier returns {verifier.hidden_layer_ids}")
@@ -107,7 +109,10 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
                                  hold_features=config.hold_features,
                                  min_gain=config.min_gain,
                                  prefill_chunk_tokens=config.prefill_chunk_tokens,
-                                 update_cost_table=config.update_cost_table, objective=objective))
+                                 update_cost_table=config.update_cost_table, objective=objective,
+                                 # The cohorts share the verifier's cache: an equal part each.
+                                 kv_cache_tokens=verifier.kv_cache_tokens // config.cohorts,
+                                 kv_block_size=verifier.kv_block_size))
     return Cohort(verifier, drafter, engine)
 
 
@@ -122,6 +127,7 @@ def start(config: SchedulerConfig) -> Scheduler:
     from dspark.serving.otel_metrics import metric_reader, setup_metrics
     from dspark.serving.protos import rpc
     from dspark.serving.remote_verifier import RemoteVerifier
+    from dspark.serving.auth import ApiKeys
     from dspark.serving.store import open_store
     from dspark.serving.tracing import setup_tracing
     from services.scheduler.gateway import Gateway
@@ -132,8 +138,9 @@ def start(config: SchedulerConfig) -> Scheduler:
     tracing = setup_tracing("scheduler", config)
     metrics = SchedulerMetrics(config.model_name)
     meter_provider = setup_metrics("scheduler", metrics, metric_reader(config))
-    store = open_store(config.redis_url, config.redis_prefix)
-    probe = RemoteVerifier(config.verifier, config.verifier_wait_seconds)
+    store = open_store(config.redis_url, config.redis_prefix, config.stored_request_ttl_seconds)
+    probe = RemoteVerifier(config.verifier, config.verifier_wait_seconds,
+                           internal_token=config.internal_token_value)
     name = probe.name  # the cost table is stored under the target's name
     stored_table = store.load_cost_table(name)
     table = CostTable.from_dict(stored_table) if stored_table else probe.cost_table()
@@ -147,12 +154,18 @@ def start(config: SchedulerConfig) -> Scheduler:
     verifier = cohorts[0].verifier
     gateway = Gateway(loops, store, tokenizer, config.model_name, config.max_tokens_limit,
                       verifier.max_context_tokens, verifier.vocab_size, stop_token_ids(tokenizer),
-                      metrics)
+                      metrics, max_waiting=config.max_waiting,
+                      max_prompt_chars=config.max_prompt_chars)
+    keys = ApiKeys(config.api_key_set)
     loops.start()
 
+    # A thread per stream the gateway can admit (running + waiting), and spare ones so that
+    # health checks and refusals (429) are answered while every admitted stream holds one.
+    grpc_threads = config.max_running * config.cohorts + config.max_waiting + 8
     grpc_server, health = grpc_runtime.new_server(
-        interceptors=(ApiKeyInterceptor(config.api_key_set),))
-    rpc.generation.add_GenerationServicer_to_server(GenerationServicer(gateway), grpc_server)
+        interceptors=(ApiKeyInterceptor(keys),), threads=grpc_threads,
+        max_message_bytes=grpc_runtime.PUBLIC_MAX_MESSAGE_BYTES)
+    rpc.generation.add_GenerationServicer_to_server(GenerationServicer(gateway, keys), grpc_server)
     grpc_port = grpc_runtime.bind(grpc_server, config.host, config.grpc_port)
     grpc_server.start()
     drafters = [c.drafter for c in cohorts if c.drafter is not None]
@@ -168,7 +181,7 @@ def start(config: SchedulerConfig) -> Scheduler:
                 "waiting": loops.queue_depth()}
 
     def make_app():
-        return build_app(gateway, config.api_key_set, metrics, render_metrics, health_body)
+        return build_app(gateway, keys, metrics, render_metrics, health_body)
 
     rest_server = RestServer(make_app(), config.host, config.http_port).start()
     grpc_runtime.set_serving(health, ["dspark.v1.Generation"], True)

@@ -6,9 +6,12 @@ ending in `data: [DONE]`), GET /v1/models, GET /v1/requests/{id} and POST
 /v1/requests/{id}/resume (stored request state, see dspark.serving.store), GET /health, GET
 /metrics (Prometheus text), GET /docs and /openapi.json. With API keys configured every /v1 route
 needs `Authorization: Bearer <key>` (401 otherwise); /health, /metrics and the docs stay open for
-probes and scrapers. Every 4xx has OpenAI's body `{"error": {"message", "type", "param", "code"}}`;
-a body that fails validation is a 400 whose `param` names the field (services.scheduler.
-openai_models), not FastAPI's 422.
+probes and scrapers. A stored request belongs to the key that made it: another key's id answers
+what an unknown one does (404). Every 4xx has OpenAI's body `{"error": {"message", "type",
+"param", "code"}}`; a body that fails validation is a 400 whose `param` names the field
+(services.scheduler.openai_models), not FastAPI's 422. A full waiting queue is a 429 with
+Retry-After; anything unexpected a 500 with the same body and no internals (the traceback goes to
+the log).
 
 The engine loop is a thread that feeds each request's queue (services.scheduler.gateway); it
 wakes the handler's event loop when it queues an event, and the handler reads (and detokenizes)
@@ -22,6 +25,7 @@ disconnect listener (it cancels the response), a non-streaming one by asking Sta
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import socket
 import threading
@@ -38,8 +42,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark.serving.auth import ApiKeys
 from dspark.serving.metrics import SchedulerMetrics
-from services.scheduler.gateway import Chunk, Gateway, GenerationStream, InvalidRequest
+from services.scheduler.gateway import Chunk, Gateway, GenerationStream, InvalidRequest, Overloaded
 from services.scheduler.openai_models import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                               ChatCompletionChunk, ChatCompletionRequest,
                                               ChatCompletionResponse, CompletionChoice,
@@ -54,7 +59,7 @@ STREAM_POLL_SECONDS = 0.25
 """How long a non-streaming handler waits without events before checking its client is there."""
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]+$")
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-               500: "internal_error", 503: "service_unavailable"}
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
 @dataclass(frozen=True)
@@ -71,10 +76,11 @@ class ServerLimits:
 
 
 # -- errors ---------------------------------------------------------------------------------------
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     kind = ERROR_TYPES.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status)
+                                   "code": status}}, status_code=status, headers=headers)
 
 
 def _validation_error_response(error: RequestValidationError) -> JSONResponse:
@@ -101,7 +107,9 @@ def _validation_error_response(error: RequestValidationError) -> JSONResponse:
 
 def _install_error_handlers(app: FastAPI) -> None:
     async def invalid_request(request: Request, e: InvalidRequest) -> JSONResponse:
-        return error_response(e.status, e.message, e.param)
+        headers = ({"Retry-After": str(e.retry_after_seconds)} if isinstance(e, Overloaded)
+                   else None)
+        return error_response(e.status, e.message, e.param, headers)
 
     async def validation(request: Request, e: RequestValidationError) -> JSONResponse:
         return _validation_error_response(e)
@@ -114,7 +122,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(e.status_code, str(e.detail))
 
     async def internal(request: Request, e: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+        """A bug: a 500 with OpenAI's body and no internals; the traceback goes to the log."""
+        logging.getLogger("dspark.scheduler").error(
+            "unexpected error on %s %s", request.method, request.url.path,
+            exc_info=(type(e), e, e.__traceback__))
+        return error_response(500, "internal server error")
 
     app.add_exception_handler(InvalidRequest, invalid_request)
     app.add_exception_handler(Exception, internal)
@@ -260,9 +272,13 @@ class RestApi:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    def start(self, body: CompletionRequest | ChatCompletionRequest) -> GenerationStream:
+    def start(self, body: CompletionRequest | ChatCompletionRequest,
+              owner: str) -> GenerationStream:
         """Validate against the model, tokenize and submit, on the event loop: a hand-off to a
-        worker thread costs more GIL switches than tokenizing one prompt."""
+        worker thread costs more GIL switches than tokenizing one prompt. `owner`: the caller's
+        key fingerprint, which the request is bound to (ApiKeys.owner). Gateway.start also
+        writes the request to the store: with Redis down that holds this loop for at most the
+        store's 0.5 s timeout, once a second (the store refuses at once in between)."""
         g = self.gateway
         g.check_model(body.model)
         if isinstance(body, ChatCompletionRequest):
@@ -270,7 +286,7 @@ class RestApi:
             kind = "chatcmpl"
         else:
             prompt_ids, kind = g.encode_prompt(body.prompt), "cmpl"
-        return g.start(g.spec(prompt_ids, **body.sampling()), g.new_request_id(kind))
+        return g.start(g.spec(prompt_ids, **body.sampling()), g.new_request_id(kind), owner)
 
     async def respond(self, stream: GenerationStream, request: Request, chat: bool,
                       streaming: bool, stop: list[str], include_usage: bool) -> Response:
@@ -341,9 +357,9 @@ class RestApi:
             yield b"".join(events)
         yield _sse("[DONE]")
 
-    def stored(self, request_id: str) -> StoredRequestView:
+    def stored(self, request_id: str, owner: str) -> StoredRequestView:
         g = self.gateway
-        r = g.fetch(request_id)
+        r = g.fetch(request_id, owner)
         return StoredRequestView(id=r.request_id, status=str(r.status),
                                  finish_reason=r.finish_reason or None,
                                  prompt_token_ids=r.prompt_ids, output_token_ids=r.output_ids,
@@ -356,7 +372,7 @@ def _json(model) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def build_app(gateway: Gateway, api_keys: frozenset[str], metrics: SchedulerMetrics,
+def build_app(gateway: Gateway, api_keys: ApiKeys, metrics: SchedulerMetrics,
               render_metrics: Callable[[], bytes], health: Callable[[], dict]) -> FastAPI:
     """The ASGI app of the REST API over `gateway`."""
     api = RestApi(gateway)
@@ -368,11 +384,17 @@ def build_app(gateway: Gateway, api_keys: frozenset[str], metrics: SchedulerMetr
     _install_error_handlers(app)
     bearer = HTTPBearer(auto_error=False, description="An API key, when the server has some.")
 
-    def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if api_keys and (credentials is None or credentials.credentials.strip() not in api_keys):
+    def caller(request: Request,
+               _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:
+        """The fingerprint of the caller's key, which its requests are bound to ('' with
+        authentication off); a 401 without a valid key. (`bearer` documents the scheme in the
+        OpenAPI schema; the header is checked by ApiKeys, in constant time.)"""
+        owner = api_keys.owner(request.headers.get("Authorization", ""))
+        if owner is None:
             raise InvalidRequest("missing or invalid API key (Authorization: Bearer <key>)", 401)
+        return owner
 
-    authorized = [Depends(require_key)]
+    authorized = [Depends(caller)]
 
     @app.get("/health", tags=["probes"])
     def health_route() -> dict[str, Any]:
@@ -391,32 +413,34 @@ def build_app(gateway: Gateway, api_keys: frozenset[str], metrics: SchedulerMetr
     @app.post("/v1/completions", dependencies=authorized,
               responses={200: {"model": CompletionResponse,
                                "content": {"text/event-stream": {}}}})
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        stream = api.start(body)
+    async def completions(body: CompletionRequest, request: Request,
+                          owner: str = Depends(caller)) -> Response:
+        stream = api.start(body, owner)
         return await api.respond(stream, request, chat=False, streaming=bool(body.stream),
                                  stop=body.stop, include_usage=body.include_usage)
 
     @app.post("/v1/chat/completions", dependencies=authorized,
               responses={200: {"model": ChatCompletionResponse,
                                "content": {"text/event-stream": {}}}})
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        stream = api.start(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               owner: str = Depends(caller)) -> Response:
+        stream = api.start(body, owner)
         return await api.respond(stream, request, chat=True, streaming=bool(body.stream),
                                  stop=body.stop, include_usage=body.include_usage)
 
     @app.get("/v1/requests/{request_id}", dependencies=authorized,
              response_model=StoredRequestView)
-    def stored_request(request_id: str) -> StoredRequestView:
+    def stored_request(request_id: str, owner: str = Depends(caller)) -> StoredRequestView:
         _check_request_id(request_id)
-        return api.stored(request_id)
+        return api.stored(request_id, owner)
 
     @app.post("/v1/requests/{request_id}/resume", dependencies=authorized,
               responses={200: {"model": CompletionResponse,
                                "content": {"text/event-stream": {}}}})
-    async def resume(request_id: str, request: Request,
-                     body: ResumeRequest | None = None) -> Response:
+    async def resume(request_id: str, request: Request, body: ResumeRequest | None = None,
+                     owner: str = Depends(caller)) -> Response:
         _check_request_id(request_id)
-        stream = await run_in_threadpool(gateway.resume, request_id)  # reads the store
+        stream = await run_in_threadpool(gateway.resume, request_id, owner)  # reads the store
         return await api.respond(stream, request, chat=False,
                                  streaming=bool(body and body.stream), stop=[],
                                  include_usage=False)
@@ -428,7 +452,8 @@ def build_app(gateway: Gateway, api_keys: frozenset[str], metrics: SchedulerMetr
 
 def _check_request_id(request_id: str) -> None:
     if not REQUEST_ID.match(request_id):
-        raise InvalidRequest(f"no request {request_id!r}", status=404, param="request_id")
+        # What an unknown or another key's id answers (Gateway.fetch): the id is never echoed.
+        raise InvalidRequest("no such request", status=404, param="request_id")
 
 
 class RestServer:

@@ -16,14 +16,24 @@ Prints a markdown table and ends with one JSON line. Usage:
 `--tiny` uses a tiny random model (seconds; checks the plumbing, not the real overheads).
 The stack is also measured with two cohorts (`--cohorts 2`: one cohort drafts while the other
 verifies); "overlap gain" = its throughput / the one-cohort stack's.
+
+`--gateway-baseline REF` compares REST gateways instead: the scheduler of git revision REF (its
+tree exported with `git archive`, run with PYTHONSAFEPATH so it imports only that tree) and this
+tree's scheduler, over the same verifier and drafter, take turns serving `--streams` concurrent
+streamed completions (`--repeats` times each, alternating). Reported per gateway: throughput
+(output tokens / wall time) and time to first token (median and p90 over streams), medians over
+the repeats; "same" checks both returned identical greedy tokens.
+    .venv/bin/python bench/services.py --tiny --gateway-baseline <commit> --streams 16,64
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -88,6 +98,19 @@ def run_embedded(args, models, prompts: list[list[int]], table_path: Path) -> tu
     return stats, [tokens[i] for i in ids]
 
 
+def run_together(n: int, one, go: threading.Barrier) -> float:
+    """`one(i)` for i < n, each in its own thread, all released at once through `go` (n + 1
+    parties); returns the release time once all have finished."""
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return t0
+
+
 def run_services(grpc_port: int, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list]:
     from dspark.serving.grpc_runtime import channel
     from dspark.serving.protos import pb, rpc
@@ -109,20 +132,113 @@ def run_services(grpc_port: int, prompts: list[list[int]], new_tokens: int) -> t
             tokens[i] += list(reply.token_ids)
             end[i] = now
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    t0 = run_together(n, one, go)
     return summarize([t0] * n, first, end, [len(t) for t in tokens], t0), tokens
 
 
-def start_stack(args, models, table_path: Path, log_dir: Path
-                ) -> tuple[list[ServiceProcess], dict[int, int]]:
+def run_rest(http_port: int, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list]:
+    """Every prompt as a streamed greedy completion through the REST API at once (a thread per
+    stream); throughput and per-stream time to first token."""
+    n = len(prompts)
+    first, end, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+    go = threading.Barrier(n + 1)
+
+    def one(i: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=3600)
+        body = json.dumps({"model": "dspark", "prompt": prompts[i], "max_tokens": new_tokens,
+                           "temperature": 0, "stream": True})
+        go.wait()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.read()
+        for line in reply:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            ids = json.loads(line[len(b"data: "):])["dspark"]["token_ids"]
+            now = time.perf_counter()
+            if ids and not first[i]:
+                first[i] = now
+            tokens[i] += ids
+            end[i] = now
+        conn.close()
+
+    t0 = run_together(n, one, go)
+    stats = summarize([t0] * n, first, end, [len(t) for t in tokens], t0)
+    ttft = sorted(f - t0 for f in first)
+    stats.update(ttft_median=statistics.median(ttft), ttft_p90=ttft[int(0.9 * (n - 1))])
+    return stats, tokens
+
+
+def export_tree(ref: str, into: Path) -> Path:
+    """REF's tracked files under `into`, with its gRPC stubs generated."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", ref, "dspark", "services",
+                              "protos"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    subprocess.run([sys.executable, "-m", "dspark.serving.protos"], cwd=into, check=True,
+                   env={**os.environ, "PYTHONPATH": str(into), "PYTHONSAFEPATH": "1"},
+                   capture_output=True)
+    return into
+
+
+def compare_gateways(args, models, table_path: Path, work: Path, tokenizer) -> list[dict]:
+    """REST throughput and TTFT of REF's scheduler and this tree's, over the same services."""
+    baseline_tree = export_tree(args.gateway_baseline, work / "baseline")
+    procs, _, services = start_stack(args, models, table_path, work, cohort_counts=())
+    ports = {}
+    try:
+        for name, env in (("baseline", {"PYTHONPATH": str(baseline_tree), "PYTHONSAFEPATH": "1"}),
+                          ("current", {})):
+            h_port = free_port()
+            scheduler = ServiceProcess(f"scheduler_{name}", [
+                "services.scheduler", "--http-port", str(h_port), "--grpc-port", str(free_port()),
+                "--verifier", services["verifier"], "--drafter", services["drafter"],
+                "--model-dir", str(models["target"]), "--policy", args.policy,
+                "--max-running", str(args.max_running), "--max-tokens-limit",
+                str(args.new_tokens)], work, env=env).start()
+            procs.append(scheduler)
+            wait_http(scheduler, h_port)
+            ports[name] = h_port
+        rows = []
+        for n in [int(s) for s in args.streams.split(",")]:
+            prompts = prompts_for(tokenizer, n, args.tiny)
+            runs = {"baseline": [], "current": []}
+            outputs = {}
+            for _ in range(args.repeats):
+                for name in ("baseline", "current"):  # alternating: drift hits both alike
+                    stats, tokens = run_rest(ports[name], prompts, args.new_tokens)
+                    runs[name].append(stats)
+                    outputs.setdefault(name, tokens)
+            row = {"streams": n, "same_tokens": outputs["baseline"] == outputs["current"]}
+            for name, stats in runs.items():
+                row[name] = {k: statistics.median(s[k] for s in stats)
+                             for k in ("throughput", "ttft_median", "ttft_p90", "per_user")}
+                row[name]["throughput_runs"] = [s["throughput"] for s in stats]
+            row["throughput_ratio"] = row["current"]["throughput"] / row["baseline"]["throughput"]
+            row["ttft_ratio"] = row["current"]["ttft_median"] / row["baseline"]["ttft_median"]
+            rows.append(row)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    print(f"\nREST gateway: this tree vs {args.gateway_baseline} "
+          f"({'tiny random model' if args.tiny else models['target'].name}, policy {args.policy}, "
+          f"{args.new_tokens} tokens/stream, medians of {args.repeats} alternating runs)\n")
+    print("| streams | baseline tok/s | current tok/s | ratio | baseline TTFT p50 / p90 ms | "
+          "current TTFT p50 / p90 ms | TTFT ratio | same |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b, c = r["baseline"], r["current"]
+        print(f"| {r['streams']} | {b['throughput']:.1f} | {c['throughput']:.1f} | "
+              f"{r['throughput_ratio']:.3f} | {1e3 * b['ttft_median']:.0f} / {1e3 * b['ttft_p90']:.0f} | "
+              f"{1e3 * c['ttft_median']:.0f} / {1e3 * c['ttft_p90']:.0f} | {r['ttft_ratio']:.3f} | "
+              f"{'yes' if r['same_tokens'] else 'NO'} |")
+    return rows
+
+
+def start_stack(args, models, table_path: Path, log_dir: Path, cohort_counts=(1, 2)
+                ) -> tuple[list[ServiceProcess], dict[int, int], dict[str, str]]:
     """Verifier, drafter, and one scheduler per cohort count (1 and 2) over the same services;
-    returns the processes and {cohorts: gRPC port}."""
+    returns the processes, {cohorts: gRPC port} and the scheduler's --verifier / --drafter."""
     v_port, d_port = free_port(), free_port()
     common = ["--dtype", args.dtype, "--threads", str(args.threads)]
     procs = []
@@ -139,20 +255,21 @@ def start_stack(args, models, table_path: Path, log_dir: Path
             "--drafter-dir", str(models["drafter"]), *common], log_dir).start()
         procs.append(drafter)
         wait_grpc(drafter, f"127.0.0.1:{d_port}")
+    services = {"verifier": f"127.0.0.1:{v_port}",
+                "drafter": f"127.0.0.1:{d_port}" if models["drafter"] else ""}
     ports = {}
-    for cohorts in (1, 2):
+    for cohorts in cohort_counts:
         h_port, g_port = free_port(), free_port()
         scheduler = ServiceProcess(f"scheduler_{cohorts}", [
             "services.scheduler", "--http-port", str(h_port), "--grpc-port", str(g_port),
-            "--verifier", f"127.0.0.1:{v_port}",
-            "--drafter", f"127.0.0.1:{d_port}" if models["drafter"] else "",
+            "--verifier", services["verifier"], "--drafter", services["drafter"],
             "--model-dir", str(models["target"]), "--policy", args.policy,
             "--cohorts", str(cohorts), "--max-running", str(args.max_running),
             "--max-tokens-limit", str(args.new_tokens)], log_dir).start()
         procs.append(scheduler)
         wait_http(scheduler, h_port)
         ports[cohorts] = g_port
-    return procs, ports
+    return procs, ports, services
 
 
 def main() -> int:
@@ -166,6 +283,11 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--gateway-baseline", default="",
+                        help="git revision whose REST gateway to compare with this tree's "
+                             "(instead of the embedded comparison)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="alternating runs per gateway and stream count")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     torch.set_num_threads(args.threads)
@@ -191,8 +313,15 @@ def main() -> int:
         startup_cost_table(load_target(target, (), kv_cache_tokens=4096, dtype=args.dtype)).save(
             table_path)
     tokenizer = AutoTokenizer.from_pretrained(models["target"])
+    if args.gateway_baseline:
+        rows = compare_gateways(args, models, table_path, work, tokenizer)
+        print(json.dumps({"bench": "services_gateway", "tiny": args.tiny,
+                          "baseline": args.gateway_baseline, "policy": args.policy,
+                          "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows,
+                          "at_least_equal": all(r["throughput_ratio"] >= 1.0 for r in rows)}))
+        return 0
     streams = [int(s) for s in args.streams.split(",")]
-    procs, grpc_ports = start_stack(args, models, table_path, work)
+    procs, grpc_ports, _ = start_stack(args, models, table_path, work)
     rows = []
     try:
         for n in streams:

@@ -13,7 +13,9 @@ Glossary:
 - **ingress**: the HTTP deployment clients talk to (Ray Serve's proxy, `--http-host`/
   `--http-port`). It forwards each OpenAI-style request to the least-loaded cell's scheduler
   through a DeploymentHandle (ties: round-robin) and returns its response; streamed (SSE)
-  responses are streamed through. `GET /cells` lists the cells and their addresses.
+  responses are streamed through. The cell's replica runs the request through the scheduler's
+  own FastAPI app (services.scheduler.rest_api) in its event loop, as an ASGI call: no HTTP hop
+  to the scheduler's REST server. `GET /cells` lists the cells and their addresses.
 
 Resources: every replica reserves `--service-cpus` logical CPUs; the verifier and drafter reserve
 `--verifier-gpus` / `--drafter-gpus` GPUs (default: 0.5 each when the cluster has GPUs, so one
@@ -51,8 +53,6 @@ ENV_PREFIX = "DSPARK_RAY"
 APP_NAME = "dspark"
 # The headers a client's request keeps on its way to a cell's scheduler (auth, body type).
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
-# Generous: a request's whole generation happens inside one forwarded call.
-FORWARD_TIMEOUT_SECONDS = 3600.0
 
 
 def _field(default, help: str):
@@ -189,10 +189,59 @@ class DrafterReplica(_GrpcServiceReplica):
     grpc_service = "dspark.v1.Drafter"
 
 
+async def call_asgi(app, method: str, path: str, headers: dict, body: bytes):
+    """Run one HTTP request through an ASGI app in this event loop, without a socket.
+
+    Yields (status, content type) first, then the body's bytes as the app sends them (SSE
+    events one by one). Closing the generator early (the client went away) tells the app
+    `http.disconnect`, which aborts its request."""
+    path, _, query = path.partition("?")
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+             + [(b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    sent: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    body_read = False
+
+    async def receive() -> dict:
+        nonlocal body_read
+        if not body_read:
+            body_read = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    task = asyncio.ensure_future(app(scope, receive, sent.put))
+    try:
+        while True:
+            message = asyncio.ensure_future(sent.get())
+            await asyncio.wait({message, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not message.done():  # the app returned (or failed) with nothing more to send
+                message.cancel()
+                task.result()
+                return
+            message = message.result()
+            if message["type"] == "http.response.start":
+                content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+                yield message["status"], content_type.decode()
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    return
+    finally:
+        gone.set()
+        await task
+
+
 @serve.deployment
 class SchedulerReplica:
     """A cell's scheduler: the real engine loop over its verifier and drafter, with its REST and
-    gRPC servers on loopback. `forward` replays an ingress request against that REST server."""
+    gRPC servers on loopback. `forward` runs an ingress request through the scheduler's own
+    FastAPI app inside this replica (no HTTP hop to its REST server)."""
 
     async def __init__(self, cell: int, verifier, drafter, config: SchedulerConfig) -> None:
         import torch
@@ -206,8 +255,8 @@ class SchedulerReplica:
         config = dataclasses.replace(config, verifier=self.verifier_address,
                                      drafter=drafter_address)
         self.scheduler = await asyncio.to_thread(start, config)
+        self.app = self.scheduler.make_app()  # served in this replica's event loop
         self.base_url = f"http://{config.host}:{self.scheduler.http_port}"
-        self._session = None
 
     def info(self) -> dict:
         return {"cell": self.cell, "verifier": self.verifier_address,
@@ -216,27 +265,21 @@ class SchedulerReplica:
                 "grpc": f"{self.scheduler.config.host}:{self.scheduler.grpc_port}",
                 "running": self.scheduler.loop.num_running()}
 
-    async def _request(self, method: str, path: str, headers: dict, body: bytes):
-        import aiohttp
-
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_SECONDS))
-        return await self._session.request(method, self.base_url + path, headers=headers,
-                                           data=body)
-
     async def forward(self, method: str, path: str, headers: dict, body: bytes
                       ) -> tuple[int, str, bytes]:
         """(status, content type, body) of the request against this cell's REST API."""
-        async with await self._request(method, path, headers, body) as reply:
-            return reply.status, reply.headers.get("Content-Type", ""), await reply.read()
+        reply = call_asgi(self.app, method, path, headers, body)
+        status, content_type = await anext(reply)
+        return status, content_type, b"".join([chunk async for chunk in reply])
 
     async def forward_stream(self, method: str, path: str, headers: dict, body: bytes):
-        """Yields (status, content type) first, then the body's bytes as they arrive (SSE)."""
-        async with await self._request(method, path, headers, body) as reply:
-            yield reply.status, reply.headers.get("Content-Type", "")
-            async for chunk in reply.content.iter_any():
-                yield chunk
+        """Yields (status, content type) first, then the body's bytes as they come (SSE)."""
+        reply = call_asgi(self.app, method, path, headers, body)
+        try:
+            async for item in reply:
+                yield item
+        finally:
+            await reply.aclose()
 
     def __del__(self) -> None:  # Ray Serve calls this when the replica is shut down
         scheduler = getattr(self, "scheduler", None)

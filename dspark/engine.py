@@ -108,7 +108,19 @@ class EngineConfig:
     when it pays for its share of the drafting as well; the drafting time per round is measured
     (`CostTable.observe_draft`). PAPER: drafting is overlapped with verification (cohorts)."""
 
+    kv_cache_tokens: int = 0
+    """Verifier KV cache this engine may fill, in tokens; 0 = not checked. A waiting request
+    joins only while the worst case of every joined request fits: prompt + max_tokens + gamma + 1
+    tokens (the anchor and a full draft block are written before the rejected drafts are cut),
+    rounded up to whole `kv_block_size` blocks. Beyond that it waits in the queue instead of
+    running into a KVCacheFull that fails the round for everyone (vLLM's scheduler also admits
+    against free blocks; it preempts where this reserves)."""
+    kv_block_size: int = 1
+    """The verifier's KV cache block size, in tokens."""
+
     def __post_init__(self) -> None:
+        if self.kv_cache_tokens < 0 or self.kv_block_size < 1:
+            raise ValueError("kv_cache_tokens must be >= 0 and kv_block_size >= 1")
         if isinstance(self.policy, str):
             object.__setattr__(self, "policy", AdmissionPolicy.parse(self.policy))
         if not isinstance(self.objective, ThetaObjective):
@@ -287,12 +299,29 @@ class Engine:
         return self._prefill_only(chunks) if chunks else []
 
     def _join_waiting(self) -> None:
-        """Waiting requests take the free slots (chunked prefill: their prompts come later)."""
+        """Waiting requests take the free slots (chunked prefill: their prompts come later), in
+        arrival order, while their worst-case KV cache fits (EngineConfig.kv_cache_tokens)."""
         free = self.config.max_running - len(self.running) - len(self.prefilling)
         joining = self.waiting[:max(0, free)]
+        if self.config.kv_cache_tokens:
+            reserved = sum(self._kv_tokens_reserved(r) for r in [*self.running, *self.prefilling])
+            fitting = 0
+            for r in joining:
+                need = self._kv_tokens_reserved(r)
+                alone = not (self.running or self.prefilling or fitting)
+                if reserved + need > self.config.kv_cache_tokens and not alone:
+                    break  # first come, first served: later ones do not overtake it
+                reserved += need
+                fitting += 1
+            joining = joining[:fitting]
         if joining:
             self.waiting = self.waiting[len(joining):]
             self.prefilling += joining
+
+    def _kv_tokens_reserved(self, r: Request) -> int:
+        gamma = self.drafter.gamma if self.speculative else 0
+        block = self.config.kv_block_size
+        return -(-(len(r.prompt_ids) + r.max_tokens + gamma + 1) // block) * block
 
     def _plan_chunks(self, budget: int | None = None) -> list[tuple[Request, PrefillChunk]]:
         """This round's prompt pieces, the oldest joiners first: up to `budget` prompt tokens

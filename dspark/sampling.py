@@ -7,6 +7,9 @@ draft distribution it reports is exactly the one its tokens were drawn from.
 
 Conventions (the same as vLLM's and transformers'):
 - temperature 0 means greedy: the distribution is one-hot at the argmax (lowest index on ties);
+  so does any temperature below GREEDY_TEMPERATURE (1e-5, vLLM's _SAMPLING_EPS): logits / T
+  overflows float32 to inf for T below about 1e-37, and softmax of inf is NaN, while at T = 1e-5
+  a logit gap of 0.001 is already a factor e^100, i.e. the argmax anyway;
 - top_k 0 (or >= vocab_size) means no top-k filter; tokens whose logit ties the k-th largest are kept;
 - top_p 1.0 means no nucleus filter; otherwise the smallest set of most probable tokens whose mass
   reaches top_p is kept (a token is kept if the mass strictly before it is < top_p), never empty;
@@ -20,13 +23,16 @@ from typing import Sequence
 
 import torch
 
+# Temperatures below this are greedy (see the module docstring).
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. Validated on construction."""
 
     temperature: float = 1.0
-    """Softmax temperature; 0 = greedy (argmax)."""
+    """Softmax temperature; 0 (or below GREEDY_TEMPERATURE, stored as 0) = greedy (argmax)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 = off."""
     top_p: float = 1.0
@@ -37,6 +43,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

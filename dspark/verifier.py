@@ -181,7 +181,12 @@ class TargetVerifier:
             if indices and len(indices) != len(tokens):
                 raise ValueError("a batch mixes sparse and dense draft distributions")
             if indices:
-                draft_probs = SparseDraftProbs(torch.cat(indices), torch.cat(probs))
+                # Supports of different widths (greedy k = 1 beside a top_k request's k) are
+                # padded to the widest with probability 0, which adds nothing to any row.
+                width = max(i.shape[1] for i in indices)
+                draft_probs = SparseDraftProbs(
+                    torch.cat([_pad_columns(i, width) for i in indices]),  # [num_drafts, width]
+                    torch.cat([_pad_columns(p, width) for p in probs]))
             else:
                 draft_probs = torch.cat(probs) if probs else torch.zeros(0, self.vocab_size)
             batch = VerifyBatch(
@@ -244,3 +249,8 @@ class TargetVerifier:
         self.stash.drop(request_id)
         if self.runner.has_request(request_id):
             self.runner.free(request_id)
+
+
+def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, k] -> [n, width], zeros appended (index 0 with probability 0 for sparse supports)."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))

@@ -1,4 +1,5 @@
-"""The few scheduler `/metrics` figures the sweep needs, read from Prometheus text.
+"""The few scheduler `/metrics` figures the sweep needs, read from Prometheus text with
+prometheus_client's parser.
 
 Mean verification length per request (the paper's Figure 8) over a load level is the number of
 draft tokens sent to the target divided by the number of draft blocks verified (one block per
@@ -9,45 +10,45 @@ and end; the acceptance length (tokens per request per round) likewise.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
+from typing import Iterator
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
 COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
             "spec_decode_num_accepted_tokens_total", "generation_tokens_total")
 
 
-def _samples(text: str, prefix: str):
-    """(name without prefix, label text or "", value) of every sample whose name has prefix."""
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match and match.group(1).startswith(prefix):
-            yield match.group(1)[len(prefix):], match.group(2) or "", float(match.group(3))
+def _samples(text: str, prefix: str) -> Iterator[Sample]:
+    """Every sample whose name has `prefix`, parsed by prometheus_client."""
+    for family in text_string_to_metric_families(text):
+        yield from (s for s in family.samples if s.name.startswith(prefix))
 
 
 def counter_values(text: str, prefix: str = "dspark:") -> dict[str, float]:
-    """Unlabelled-by-position samples of COUNTERS (summed over label sets)."""
+    """COUNTERS' values, each summed over its label sets."""
     out = {name: 0.0 for name in COUNTERS}
-    for name, _, value in _samples(text, prefix):
+    for s in _samples(text, prefix):
+        name = s.name[len(prefix):]
         if name in out:
-            out[name] += value
+            out[name] += s.value
     return out
 
 
 def stage_seconds(text: str, prefix: str = "dspark:") -> dict[str, float]:
     """`round_seconds_total` by its `stage` label (empty for a scheduler without it)."""
     out: dict[str, float] = {}
-    for name, labels, value in _samples(text, prefix):
-        stage = re.search(r'stage="([^"]*)"', labels) if name == "round_seconds_total" else None
-        if stage:
-            out[stage.group(1)] = out.get(stage.group(1), 0.0) + value
+    for s in _samples(text, prefix + "round_seconds_total"):
+        if "stage" in s.labels:
+            out[s.labels["stage"]] = out.get(s.labels["stage"], 0.0) + s.value
     return out
 
 
 def round_count(text: str, prefix: str = "dspark:") -> float:
     """Verification rounds so far (the count of the verify batch-size histogram)."""
-    return sum(value for name, _, value in _samples(text, prefix)
-               if name == "spec_decode_verify_batch_tokens_count")
+    name = prefix + "spec_decode_verify_batch_tokens_count"
+    return sum(s.value for s in _samples(text, name) if s.name == name)
 
 
 @dataclass(frozen=True)

@@ -123,3 +123,28 @@ def test_token_probs_equal_the_full_distribution_gathered():
     full = probs_from_logits(logits, sampling).gather(1, tokens.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(token_probs_from_logits(logits, tokens, sampling), full,
                                atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-37, 1e-20, 1e-6])
+def test_temperatures_below_the_epsilon_are_greedy(temperature):
+    """logits / T overflows float32 to inf below about T = 1e-37 and softmax(inf) is NaN; these
+    temperatures are greedy instead (a one-hot at the argmax, lowest index on ties)."""
+    from dspark.sampling import GREEDY_TEMPERATURE
+
+    assert temperature < GREEDY_TEMPERATURE
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy and params.temperature == 0.0
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [50.0, -50.0, 0.0, 49.5]])
+    probs = probs_from_logits(logits, SamplingTensors.from_params([params, params]))
+    assert torch.isfinite(probs).all()
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+def test_temperature_at_the_epsilon_still_samples():
+    from dspark.sampling import GREEDY_TEMPERATURE
+
+    params = SamplingParams(temperature=GREEDY_TEMPERATURE)
+    assert not params.is_greedy
+    logits = torch.tensor([[0.0, 0.0, -1.0]])  # a tie: both tied tokens keep half the mass
+    probs = probs_from_logits(logits, SamplingTensors.from_params([params]))
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.5, 0.0]]))

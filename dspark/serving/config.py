@@ -33,7 +33,9 @@ class TraceExporter(enum.Enum):
 
 
 def _field(default: Any, help: str, **kwargs: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kwargs})
+    """A config field; `secret=True` keeps its value out of repr() and --help."""
+    return field(default=default, metadata={"help": help, **kwargs},
+                 repr=not kwargs.get("secret", False))
 
 
 def _check_port(port: int, what: str) -> None:
@@ -55,7 +57,23 @@ class TracingFields:
 
 
 @dataclass(frozen=True)
-class VerifierServiceConfig(TracingFields):
+class InternalTokenFields:
+    internal_token: str = _field("", "shared secret the scheduler sends to the verifier and the "
+                                     "drafter (metadata x-dspark-internal-token); set it by "
+                                     "environment or file, not on a command line; empty = none",
+                                 secret=True)
+    internal_token_file: str = _field("", "file holding the internal token (overrides "
+                                          "internal_token)")
+
+    @property
+    def internal_token_value(self) -> str:
+        from dspark.serving.auth import read_secret_file
+
+        return read_secret_file(self.internal_token_file) or self.internal_token
+
+
+@dataclass(frozen=True)
+class VerifierServiceConfig(TracingFields, InternalTokenFields):
     """The verifier service: the target model, its KV caches and lossless verification."""
 
     host: str = _field("127.0.0.1", "address to listen on (0.0.0.0 in containers)")
@@ -85,7 +103,7 @@ class VerifierServiceConfig(TracingFields):
 
 
 @dataclass(frozen=True)
-class DrafterServiceConfig(TracingFields):
+class DrafterServiceConfig(TracingFields, InternalTokenFields):
     """The drafter service: the drafter model and each request's context K/V."""
 
     host: str = _field("127.0.0.1", "address to listen on (0.0.0.0 in containers)")
@@ -110,7 +128,7 @@ class DrafterServiceConfig(TracingFields):
 
 
 @dataclass(frozen=True)
-class SchedulerConfig(TracingFields):
+class SchedulerConfig(TracingFields, InternalTokenFields):
     """The scheduler / gateway: client APIs, the engine loop, admission, request state."""
 
     host: str = _field("127.0.0.1", "address to listen on (0.0.0.0 in containers)")
@@ -140,7 +158,19 @@ class SchedulerConfig(TracingFields):
     max_tokens_limit: int = _field(2048, "largest max_tokens a client may ask for")
     redis_url: str = _field("", "redis://host:port/db for request state; empty = in memory")
     redis_prefix: str = _field("dspark:", "prefix of every Redis key this scheduler writes")
-    api_keys: str = _field("", "comma-separated accepted Bearer keys; empty = no auth")
+    api_keys: str = _field("", "comma-separated accepted Bearer keys; set it by environment, not "
+                               "on a command line; empty (and no api_keys_file) = no auth",
+                           secret=True)
+    api_keys_file: str = _field("", "file of accepted Bearer keys, one a line (with api_keys: "
+                                    "both are accepted)")
+    max_waiting: int = _field(64, "requests queued beyond the running ones (all cohorts); more "
+                                  "are refused with 429 / RESOURCE_EXHAUSTED and Retry-After")
+    max_prompt_chars: int = _field(262144, "longest prompt text (all chat messages together) "
+                                           "accepted for tokenization; longer is a 400 before "
+                                           "the tokenizer runs")
+    stored_request_ttl_seconds: float = _field(
+        7 * 24 * 3600.0, "a finished request is forgotten this long after it finished; a "
+                         "running one this long after its last round (in memory and in Redis)")
     draft_timeout_seconds: float = _field(10.0, "a round's drafts not back by then: the round "
                                                 "runs as plain decoding")
     drafter_retry_seconds: float = _field(1.0, "while the drafter is down, how often to retry")
@@ -158,6 +188,10 @@ class SchedulerConfig(TracingFields):
             raise ValueError(f"min_gain must be >= 1, got {self.min_gain}")
         if self.probe_requests < 0 or self.prefill_chunk_tokens < 0:
             raise ValueError("probe_requests and prefill_chunk_tokens must be >= 0")
+        if self.max_waiting < 0 or self.max_prompt_chars < 1:
+            raise ValueError("max_waiting must be >= 0 and max_prompt_chars >= 1")
+        if not self.stored_request_ttl_seconds > 0:
+            raise ValueError("stored_request_ttl_seconds must be > 0")
         from dspark.admission import AdmissionPolicy
 
         AdmissionPolicy.parse(self.policy)
@@ -165,7 +199,9 @@ class SchedulerConfig(TracingFields):
 
     @property
     def api_key_set(self) -> frozenset[str]:
-        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+        from dspark.serving.auth import parse_keys, read_secret_file
+
+        return parse_keys(self.api_keys) | parse_keys(read_secret_file(self.api_keys_file))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,9 +232,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -
         default = f.default
         if env in os.environ:
             default = _parse_value(kind, os.environ[env])
-        shown = default.value if isinstance(default, enum.Enum) else default
+        shown = repr(default.value if isinstance(default, enum.Enum) else default)
+        if f.metadata.get("secret"):  # --help must not print a key taken from the environment
+            shown = "set" if default else "''"
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} [env {env}; default: {shown!r}]"
+        help_text = f"{f.metadata.get('help', '')} [env {env}; default: {shown}]"
         if kind is bool:
             parser.add_argument(flag, dest=f.name, type=lambda t: _parse_value(bool, t),
                                 default=default, help=help_text)

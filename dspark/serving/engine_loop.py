@@ -6,6 +6,11 @@ touch it: they `submit` a request and read its events from a queue, or `cancel` 
 applies those between rounds. Each round it also appends the new tokens to the request store,
 updates the metrics, and opens a `scheduler.round` span (parent: the oldest request's span;
 links: every request in the round), under which the drafter and verifier calls are traced.
+
+Faults: a store that cannot be written never stops generation. The tokens a failed write did not
+store stay with their request and are sent again with its next round's (the store's appends are
+idempotent by output position), so the stored output catches up once the store is back. Every
+request the loop accepted ends with exactly one final event, whatever fails.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ class Submission:
     max_tokens: int
     stop_token_ids: list[int]
     stored: StoredRequest | None = None
-    """The store record to create, or None when resuming one that exists."""
+    """The request's record, already in the store (the gateway writes it before submitting, so
+    that a store that is down refuses the request before its response starts); its output_ids
+    are the tokens stored before this submission (a resumed request). None: nothing stored."""
 
 
 @dataclass
@@ -55,6 +62,10 @@ class _Live:
     request: Request
     events: queue.Queue
     span: trace.Span
+    stored: int
+    """Output tokens the store holds (a resumed request starts with its earlier ones)."""
+    unstored: list[int] = field(default_factory=list)
+    """Tokens produced (and streamed) whose store write failed: sent again next round."""
 
 
 @dataclass
@@ -77,6 +88,10 @@ class EngineLoop:
         self._inbox_lock = threading.Lock()
         self._wakeup = threading.Event()
         self._live: dict[str, _Live] = {}
+        self._adding: set[str] = set()
+        """Submissions taken from the inbox, not yet in _live (is_live must still see them, or a
+        cancel arriving meanwhile would be lost)."""
+        self._store_failing = False
         self._accepting = True
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-loop-{cohort}",
@@ -105,7 +120,8 @@ class EngineLoop:
 
     def is_live(self, request_id: str) -> bool:
         with self._inbox_lock:
-            pending = any(s.request_id == request_id for s, _ in self._inbox.submissions)
+            pending = (request_id in self._adding
+                       or any(s.request_id == request_id for s, _ in self._inbox.submissions))
         return pending or request_id in self._live
 
     def queue_depth(self) -> int:
@@ -146,27 +162,30 @@ class EngineLoop:
     def _apply_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, _Inbox()
+            self._adding = {s.request_id for s, _ in inbox.submissions}
         for submission, events in inbox.submissions:
             try:
                 self._add(submission, events)
             except Exception as e:  # e.g. the store is unreachable: tell this client, go on
-                self.logger.exception("could not add request %s", submission.request_id)
+                self.logger.warning("could not add request %s: %s", submission.request_id, e)
+                self.engine.abort(submission.request_id)
                 self._live.pop(submission.request_id, None)
                 events.put(StreamEvent([], True, "error", None, f"{type(e).__name__}: {e}"))
+        with self._inbox_lock:
+            self._adding = set()
         for rid in inbox.cancels:
             if rid in self._live:
                 self.engine.abort(rid)
                 self._finish_aborted(rid, "abort")
 
     def _add(self, s: Submission, events: queue.Queue) -> None:
-        if s.stored is not None:
-            self.store.create(s.stored)
         span = self.tracer.start_span("scheduler.request", attributes={
             "dspark.request_id": s.request_id, "dspark.prompt_tokens": len(s.prompt_ids),
             "dspark.max_tokens": s.max_tokens})
         self.engine.add_request(s.prompt_ids, s.sampling, s.max_tokens, s.stop_token_ids,
                                 request_id=s.request_id)
-        self._live[s.request_id] = _Live(self.engine.waiting[-1], events, span)
+        already = len(s.stored.output_ids) if s.stored is not None else 0
+        self._live[s.request_id] = _Live(self.engine.waiting[-1], events, span, already)
         self.metrics.record_prompt(len(s.prompt_ids))
 
     def _round_parent(self):
@@ -201,10 +220,8 @@ class EngineLoop:
                 span.set_attribute("dspark.batch_tokens", batch_tokens)
             if capacity is not None:
                 span.set_attribute("dspark.capacity_k", capacity)
-        # Store first, then stream: a token a client has seen is always in the store.
-        self.store.record_round([RoundUpdate(str(o.request_id), list(o.new_token_ids),
-                                             o.finish_reason if o.finished else None)
-                                 for o in outputs])
+        # Store first, then stream: while the store works, a token a client has seen is in it.
+        self._store_round(outputs)
         for out in outputs:
             rid = str(out.request_id)
             live = self._live.get(rid)
@@ -224,6 +241,33 @@ class EngineLoop:
         if verified and stats.rounds % COST_TABLE_SAVE_ROUNDS == 0:
             self._save_cost_table()
 
+    def _store_round(self, outputs) -> None:
+        """Write the round's tokens (and any a failed write left) by output position."""
+        updates, written = [], []
+        for o in outputs:
+            live = self._live.get(str(o.request_id))
+            if live is None:
+                continue
+            tokens = live.unstored + list(o.new_token_ids)
+            updates.append(RoundUpdate(str(o.request_id), tokens,
+                                       o.finish_reason if o.finished else None, live.stored))
+            written.append((live, tokens))
+        try:
+            self.store.record_round(updates)
+        except Exception as e:  # generation goes on; the tokens are sent again next round
+            if not self._store_failing:
+                self.logger.warning("request store write failed; generating on: %s", e)
+            self._store_failing = True
+            for live, tokens in written:
+                live.unstored = tokens
+            return
+        if self._store_failing:
+            self.logger.warning("request store writes succeed again")
+        self._store_failing = False
+        for live, tokens in written:
+            live.stored += len(tokens)
+            live.unstored = []
+
     def _observe_round(self, record: RoundRecord) -> None:
         self.metrics.record_speculation(record.num_admitted, record.num_accepted)
 
@@ -238,11 +282,14 @@ class EngineLoop:
         live = self._live.get(rid)
         if live is None:
             return
-        self.engine.abort(rid)
         try:
-            self.store.record_round([RoundUpdate(rid, [], reason)])
-        except Exception:
-            self.logger.exception("store unreachable while aborting %s", rid)
+            self.engine.abort(rid)
+        except Exception:  # releasing on a dead service must not keep the client waiting
+            self.logger.exception("releasing %s failed", rid)
+        try:
+            self.store.record_round([RoundUpdate(rid, list(live.unstored), reason, live.stored)])
+        except Exception as e:
+            self.logger.warning("store unreachable while ending %s: %s", rid, e)
         live.events.put(StreamEvent([], True, reason, copy.deepcopy(live.request.metrics), error))
         self._close(rid, reason)
 
@@ -250,9 +297,12 @@ class EngineLoop:
         for rid in list(self._live):
             try:
                 self._finish_aborted(rid, "error", error)
-            except Exception:  # releasing on a dead service must not stop the others
-                self.logger.exception("abort failed")
-                self._live.pop(rid, None)
+            except Exception:  # whatever failed, the client still gets its final event
+                self.logger.exception("ending %s failed", rid)
+                live = self._live.pop(rid, None)
+                if live is not None:
+                    live.events.put(StreamEvent([], True, "error", None, error))
+                    live.span.end()
 
     def _save_cost_table(self) -> None:
         try:

@@ -20,11 +20,17 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from dspark.serving.auth import InternalTokenInterceptor, with_internal_token
+
 # Threads for the gRPC server's handlers. The model calls are serialised by each servicer's own
 # lock; the threads only let health checks and streams be answered while a call is running.
 SERVER_THREADS = 16
 # Messages carry tensors (a dense [gamma, V] draft distribution of a 49k vocabulary is ~1.5 MB).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# The public Generation API carries prompts, not tensors: a request beyond 4 MiB is refused by
+# gRPC itself (RESOURCE_EXHAUSTED) before anything is parsed, far above the prompt cap
+# (SchedulerConfig.max_prompt_chars).
+PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # A restarting service is retried within a second: gRPC's default reconnect backoff grows to
 # two minutes, far too long for a drafter or verifier that is back after a few seconds.
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -65,13 +71,19 @@ def log_event(logger: logging.Logger, message: str, **fields) -> None:
     logger.info(message, extra={"fields": fields})
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, internal_token: str = "") -> grpc.Channel:
+    """A channel to a service; with a token, every call carries it (dspark.serving.auth)."""
+    return with_internal_token(grpc.insecure_channel(address, options=CHANNEL_OPTIONS),
+                               internal_token)
 
 
-def new_server(interceptors: tuple = ()) -> tuple[grpc.Server, health.HealthServicer]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_THREADS),
-                         interceptors=interceptors, options=CHANNEL_OPTIONS)
+def new_server(interceptors: tuple = (), threads: int = SERVER_THREADS,
+               max_message_bytes: int = MAX_MESSAGE_BYTES
+               ) -> tuple[grpc.Server, health.HealthServicer]:
+    options = [("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.max_receive_message_length", max_message_bytes)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
+                         interceptors=interceptors, options=options)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer
@@ -92,11 +104,12 @@ def set_serving(health_servicer: health.HealthServicer, services: list[str], ser
         health_servicer.set(name, status)
 
 
-def start_server(servicer, add_to_server, service_name: str, host: str, port: int
-                 ) -> tuple[grpc.Server, health.HealthServicer, int]:
+def start_server(servicer, add_to_server, service_name: str, host: str, port: int,
+                 internal_token: str = "") -> tuple[grpc.Server, health.HealthServicer, int]:
     """A started server with `servicer` (added by its generated `add_..._to_server`) and the health
-    service marking `service_name` SERVING; returns (server, health, bound port)."""
-    server, health_servicer = new_server()
+    service marking `service_name` SERVING; returns (server, health, bound port). With a token,
+    every call but health checks must carry it (dspark.serving.auth)."""
+    server, health_servicer = new_server(interceptors=(InternalTokenInterceptor(internal_token),))
     add_to_server(servicer, server)
     bound = bind(server, host, port)
     server.start()

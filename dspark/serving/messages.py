@@ -81,6 +81,15 @@ def admitted_drafts_from_pb(item: "pb.verifier.VerifyItem", vocab_size: int
         raise ValueError(f"{item.request_id}: draft_indices must have draft_probs' shape")
     if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
         raise ValueError(f"{item.request_id}: draft token outside the vocabulary")
+    # Indices and probabilities reach gather/scatter and sampling kernels: out of range there is
+    # a device-side assert on a GPU (the whole process's CUDA context is lost), NaN a poisoned
+    # batch. Refuse them here, for this call only.
+    if indices is not None and (indices.dtype.is_floating_point or bool(
+            ((indices < 0) | (indices >= vocab_size)).any())):
+        raise ValueError(f"{item.request_id}: draft_indices must be integers in "
+                         f"0..{vocab_size - 1}")
+    if not bool((torch.isfinite(probs) & (probs >= 0) & (probs <= 1)).all()):
+        raise ValueError(f"{item.request_id}: draft_probs must be finite and in [0, 1]")
     block = DraftBlock(tokens.long(), probs.float(), torch.zeros(n),
                        None if indices is None else indices.long())
     return block, n

@@ -1,219 +1,213 @@
-"""Scheduler metrics in the Prometheus text format, named like vLLM's so dashboards carry over.
+"""Scheduler metrics through prometheus_client, named like vLLM's so dashboards carry over.
 
-vLLM exports `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`
-and `..._num_accepted_tokens_per_pos`; we export the same under `dspark:` plus what confidence
-scheduling adds (verified tokens per position, batch tokens per round, chosen capacity K, SPS,
-drafter availability). Counters end in `_total`. No client library: the format is a few lines.
+vLLM exports `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
+`..._num_accepted_tokens_per_pos`, `vllm:time_to_first_token_seconds`,
+`vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`,
+`vllm:num_requests_running` / `_waiting`; we export the same under `dspark:` plus what confidence
+scheduling adds (verified tokens per position, batch tokens per round, chosen capacity K, mean
+verification length, SPS, drafter availability, engine time by stage, from which the dashboard
+takes the drafter's share of round time). Counters end in `_total` (prometheus_client appends it).
+
+Each SchedulerMetrics owns its CollectorRegistry (several schedulers or tests in one process do
+not collide); `/metrics` renders it with `prometheus_client.generate_latest`, and the
+OpenTelemetry bridge (dspark.serving.otel_metrics) reads the same registry.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+# `<name>_created` series double the scrape for nothing a dashboard uses (vLLM drops them too).
+disable_created_metrics()
 
 PREFIX = "dspark:"
 ROUND_STAGES = ("prefill", "draft", "admission", "verify", "verify_call", "other")
 """Stages of `dspark:round_seconds_total` (the engine's EngineStats, plus the rest of each step)."""
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""Reasons `dspark:request_success_total` is initialised with (0 until one happens)."""
 
-
-@dataclass
-class MetricFamily:
-    name: str
-    """Without the `dspark:` prefix."""
-    kind: str
-    """"counter" | "gauge"."""
-    help: str
-    samples: list[tuple[dict[str, str], float]]
-    """(labels besides model_name, value)."""
-
-
-@dataclass
-class _Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    n: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        self.n += 1
-        self.total += value
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
+# vLLM's bucket edges, so percentiles from both servers are comparable on one dashboard.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class SchedulerMetrics:
-    """Thread-safe: the engine loop writes, HTTP handler threads render."""
+    """Thread-safe: the engine loops and the front ends write, the /metrics route renders."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self._lock = threading.Lock()
-        self.requests_total: dict[str, int] = {}
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.rounds_total = 0
-        self.spec_rounds_total = 0
-        self.draft_tokens_total = 0
-        self.accepted_tokens_total = 0
-        self.accepted_per_pos: list[int] = []
-        self.verified_per_pos: list[int] = []
-        self.fallback_rounds_total = 0
-        self.verifier_restores_total = 0
-        self.running: dict[int, int] = {}
-        """By cohort (dspark.serving.cohorts); the gauges show the sums."""
-        self.waiting: dict[int, int] = {}
-        self.capacity_k = 0
-        self.sps = 0.0
-        self.drafter_available = 1
-        self.batch_tokens = _Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
-        self.tokens_per_round = _Histogram((1, 2, 3, 4, 5, 6, 8, 12, 16))
-        self.stage_seconds: dict[str, float] = {stage: 0.0 for stage in ROUND_STAGES}
-        """Engine time by stage, summed over rounds (ROUND_STAGES)."""
-        self.skipped_draft_rounds_total = 0
+        self.registry = CollectorRegistry()
+        r, model = self.registry, ("model_name",)
 
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(PREFIX + name, doc, (*model, *labels), registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, model, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, model, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self._lock = threading.Lock()
+        """Guards the Python-side state below (the prometheus_client objects lock themselves)."""
+        self._running: dict[int, int] = {}
+        """By cohort (dspark.serving.cohorts); the gauges show the sums."""
+        self._waiting: dict[int, int] = {}
+        self._drafts = self._draft_tokens = self._accepted_tokens = 0
+        self._fallback_rounds = 0
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued (queue depth).")
+        self.request_success = counter("request_success", "Finished requests by reason.",
+                                       "finished_reason")
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens",
+                                         "Tokens generated.").labels(model_name)
+        self.num_drafts = counter(
+            "spec_decode_num_drafts",
+            "Draft blocks verified (one per request per speculative round).").labels(model_name)
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                        "Draft tokens sent to the target.").labels(model_name)
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted.").labels(model_name)
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted drafts by block position (1-based).", "position")
+        self.verified_per_pos = counter("spec_decode_num_verified_tokens_per_pos",
+                                        "Verified drafts by block position (1-based).", "position")
+        self.acceptance_length = gauge(
+            "spec_decode_acceptance_length",
+            "Mean tokens per request per speculative round (accepted drafts + 1), since start.")
+        self.mean_verification_length = gauge(
+            "spec_decode_mean_verification_length",
+            "Mean drafts verified per request per speculative round (l_r), since start.")
+        self.capacity_k = gauge("spec_decode_capacity_k",
+                                "Capacity K the async top-K admission chose for the last round.")
+        self.target_steps_per_second = gauge(
+            "spec_decode_target_steps_per_second",
+            "SPS of the last verification step (1 / step seconds).")
+        self.drafter_available = gauge(
+            "spec_decode_drafter_available",
+            "1 while the drafter service answers; 0 = plain decoding fallback.")
+        self.drafter_available.set(1)
+        self.fallback_rounds = counter(
+            "spec_decode_fallback_rounds",
+            "Rounds run as plain decoding because the drafter was unavailable.").labels(model_name)
+        self.round_seconds = counter(
+            "round_seconds",
+            "Engine time by stage: prefill (a fused forward's prompt-token share), draft (incl. "
+            "the drafter service round trip), admission, verify (the target's step), verify_call "
+            "(the verifier call beyond that step: sampling, commits, transfers), other "
+            "(the scheduler's own work).", "stage")
+        for stage in ROUND_STAGES:
+            self.round_seconds.labels(model_name, stage)
+        self.skipped_draft_rounds = counter(
+            "spec_decode_skipped_draft_rounds",
+            "async_topk rounds that did not draft because their capacity K was 0.").labels(model_name)
+        self.verifier_restores = counter(
+            "verifier_restores",
+            "Requests whose KV cache was rebuilt after a verifier restart.").labels(model_name)
+        self.verify_batch_tokens = histogram("spec_decode_verify_batch_tokens",
+                                             "Tokens the target verified per round (B).",
+                                             BATCH_TOKEN_BUCKETS)
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first output token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Seconds between a request's successive outputs (one per round that gave it tokens; "
+            "a speculative round can give several).", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Seconds from a request's arrival to its end.",
+            E2E_BUCKETS)
+        self.http_requests = Counter(PREFIX + "http_requests", "HTTP responses by route and status.",
+                                     ("model_name", "handler", "method", "status"), registry=r)
+
+    # -- written by the engine loops ----------------------------------------------------------
     def record_finished(self, reason: str) -> None:
-        with self._lock:
-            self.requests_total[reason] = self.requests_total.get(reason, 0) + 1
+        self.request_success.labels(self.model_name, reason).inc()
 
     def record_prompt(self, num_tokens: int) -> None:
-        with self._lock:
-            self.prompt_tokens_total += num_tokens
+        self.prompt_tokens.inc(num_tokens)
 
     def record_round(self, generated: int, batch_tokens: int | None, step_seconds: float | None,
                      capacity: int | None, running: int, waiting: int, cohort: int = 0) -> None:
+        self.generation_tokens.inc(generated)
         with self._lock:
-            self.generation_tokens_total += generated
-            self.running[cohort], self.waiting[cohort] = running, waiting
-            if batch_tokens is not None:
-                self.rounds_total += 1
-                self.batch_tokens.observe(batch_tokens)
-            if step_seconds:
-                self.sps = 1.0 / step_seconds
-            if capacity is not None:
-                self.capacity_k = capacity
+            self._running[cohort], self._waiting[cohort] = running, waiting
+            self.num_requests_running.set(sum(self._running.values()))
+            self.num_requests_waiting.set(sum(self._waiting.values()))
+        if batch_tokens is not None:
+            self.verify_batch_tokens.observe(batch_tokens)
+        if step_seconds:
+            self.target_steps_per_second.set(1.0 / step_seconds)
+        if capacity is not None:
+            self.capacity_k.set(capacity)
 
     def record_stage_seconds(self, seconds: dict[str, float], skipped_draft_rounds: int = 0) -> None:
         """One engine step's time by stage (keys from ROUND_STAGES) and its skipped drafting rounds."""
-        with self._lock:
-            for stage, value in seconds.items():
-                self.stage_seconds[stage] += value
-            self.skipped_draft_rounds_total += skipped_draft_rounds
+        for stage, value in seconds.items():
+            self.round_seconds.labels(self.model_name, stage).inc(value)
+        self.skipped_draft_rounds.inc(skipped_draft_rounds)
 
     def record_speculation(self, num_admitted: list[int], num_accepted: list[int]) -> None:
         """One speculative round: per request, drafts verified (l_r) and accepted."""
+        for verified, accepted in zip(num_admitted, num_accepted):
+            for k in range(verified):
+                self.verified_per_pos.labels(self.model_name, str(k + 1)).inc()
+            for k in range(accepted):
+                self.accepted_per_pos.labels(self.model_name, str(k + 1)).inc()
+        drafts, verified, accepted = len(num_admitted), sum(num_admitted), sum(num_accepted)
+        self.num_drafts.inc(drafts)
+        self.num_draft_tokens.inc(verified)
+        self.num_accepted_tokens.inc(accepted)
         with self._lock:
-            self.spec_rounds_total += 1
-            for verified, accepted in zip(num_admitted, num_accepted):
-                need = max(verified, accepted)
-                if len(self.verified_per_pos) < need:
-                    grow = need - len(self.verified_per_pos)
-                    self.verified_per_pos += [0] * grow
-                    self.accepted_per_pos += [0] * grow
-                for k in range(verified):
-                    self.verified_per_pos[k] += 1
-                for k in range(accepted):
-                    self.accepted_per_pos[k] += 1
-                self.draft_tokens_total += verified
-                self.accepted_tokens_total += accepted
-                self.tokens_per_round.observe(accepted + 1)
+            self._drafts += drafts
+            self._draft_tokens += verified
+            self._accepted_tokens += accepted
+            if self._drafts:
+                self.acceptance_length.set((self._accepted_tokens + self._drafts) / self._drafts)
+                self.mean_verification_length.set(self._draft_tokens / self._drafts)
+
+    # -- written by the front ends and the drafter proxies ------------------------------------
+    def record_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def record_inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+
+    def record_request_latency(self, seconds: float) -> None:
+        self.e2e_request_latency.observe(seconds)
+
+    def record_http_response(self, handler: str, method: str, status: int) -> None:
+        self.http_requests.labels(self.model_name, handler, method, str(status)).inc()
 
     def set_drafter_available(self, available: bool) -> None:
-        with self._lock:
-            self.drafter_available = int(available)
+        self.drafter_available.set(int(available))
 
     def set_fallback_rounds(self, total: int) -> None:
-        """The drafter proxies count their fallback rounds; the scheduler copies the sum here."""
+        """The drafter proxies count their fallback rounds; the scheduler copies the sum here
+        (the counter advances by the difference, so it stays monotonic)."""
         with self._lock:
-            self.fallback_rounds_total = total
+            grown, self._fallback_rounds = total - self._fallback_rounds, max(total,
+                                                                                self._fallback_rounds)
+        if grown > 0:
+            self.fallback_rounds.inc(grown)
 
     def add_verifier_restores(self, n: int) -> None:
-        with self._lock:
-            self.verifier_restores_total += n
+        self.verifier_restores.inc(n)
 
-    def render(self) -> str:
-        """The Prometheus text exposition of every metric."""
-        with self._lock:
-            families = self._families()
-            histograms = [("spec_decode_verify_batch_tokens",
-                           "Tokens the target verified per round (B).", self.batch_tokens)]
-            label = f'model_name="{self.model_name}"'
-            lines = []
-            for f in families:
-                lines.append(f"# HELP {PREFIX}{f.name} {f.help}\n# TYPE {PREFIX}{f.name} {f.kind}\n")
-                for labels, value in f.samples:
-                    extra = "".join(f',{k}="{v}"' for k, v in labels.items())
-                    lines.append(f"{PREFIX}{f.name}{{{label}{extra}}} {value}\n")
-            for name, help_text, h in histograms:
-                lines += list(self._histogram(name, help_text, h, label))
-            return "".join(lines)
-
-    def families(self) -> list["MetricFamily"]:
-        """Counters and gauges as data (the OpenTelemetry bridge reads these)."""
-        with self._lock:
-            return self._families()
-
-    def _families(self) -> list["MetricFamily"]:
-        tau = self.tokens_per_round.total / self.tokens_per_round.n if self.tokens_per_round.n else 0
-        F = MetricFamily
-        return [
-            F("num_requests_running", "gauge", "Requests in the running batch.",
-              [({}, sum(self.running.values()))]),
-            F("num_requests_waiting", "gauge", "Requests queued (queue depth).",
-              [({}, sum(self.waiting.values()))]),
-            F("request_success_total", "counter", "Finished requests by reason.",
-              [({"finished_reason": r}, n) for r, n in sorted(self.requests_total.items())]
-              or [({"finished_reason": "stop"}, 0)]),
-            F("prompt_tokens_total", "counter", "Prompt tokens prefilled.",
-              [({}, self.prompt_tokens_total)]),
-            F("generation_tokens_total", "counter", "Tokens generated.",
-              [({}, self.generation_tokens_total)]),
-            F("spec_decode_num_drafts_total", "counter",
-              "Draft blocks verified (one per request per speculative round).",
-              [({}, self.tokens_per_round.n)]),
-            F("spec_decode_num_draft_tokens_total", "counter", "Draft tokens sent to the target.",
-              [({}, self.draft_tokens_total)]),
-            F("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-              [({}, self.accepted_tokens_total)]),
-            F("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-              "Accepted drafts by block position (1-based).",
-              [({"position": str(k + 1)}, n) for k, n in enumerate(self.accepted_per_pos)]),
-            F("spec_decode_num_verified_tokens_per_pos_total", "counter",
-              "Verified drafts by block position (1-based).",
-              [({"position": str(k + 1)}, n) for k, n in enumerate(self.verified_per_pos)]),
-            F("spec_decode_acceptance_length", "gauge",
-              "Mean tokens per request per round (accepted drafts + 1).", [({}, tau)]),
-            F("spec_decode_capacity_k", "gauge",
-              "Capacity K the async top-K admission chose for the last round.",
-              [({}, self.capacity_k)]),
-            F("spec_decode_target_steps_per_second", "gauge",
-              "SPS of the last verification step (1 / step seconds).", [({}, self.sps)]),
-            F("spec_decode_drafter_available", "gauge",
-              "1 while the drafter service answers; 0 = plain decoding fallback.",
-              [({}, self.drafter_available)]),
-            F("spec_decode_fallback_rounds_total", "counter",
-              "Rounds run as plain decoding because the drafter was unavailable.",
-              [({}, self.fallback_rounds_total)]),
-            F("round_seconds_total", "counter",
-              "Engine time by stage: prefill (a fused forward's prompt-token share), draft (incl. "
-              "the drafter service round trip), admission, verify (the target's step), verify_call "
-              "(the verifier call beyond that step: sampling, commits, transfers), other "
-              "(the scheduler's own work).",
-              [({"stage": stage}, round(value, 6)) for stage, value in self.stage_seconds.items()]),
-            F("spec_decode_skipped_draft_rounds_total", "counter",
-              "async_topk rounds that did not draft because their capacity K was 0.",
-              [({}, self.skipped_draft_rounds_total)]),
-            F("verifier_restores_total", "counter",
-              "Requests whose KV cache was rebuilt after a verifier restart.",
-              [({}, self.verifier_restores_total)]),
-        ]
-
-    @staticmethod
-    def _histogram(name: str, help_text: str, h: _Histogram, label: str):
-        yield f"# HELP {PREFIX}{name} {help_text}\n# TYPE {PREFIX}{name} histogram\n"
-        for edge, count in zip(h.buckets, h.counts):
-            yield f'{PREFIX}{name}_bucket{{{label},le="{edge:g}"}} {count}\n'
-        yield f'{PREFIX}{name}_bucket{{{label},le="+Inf"}} {h.n}\n'
-        yield f"{PREFIX}{name}_sum{{{label}}} {h.total}\n{PREFIX}{name}_count{{{label}}} {h.n}\n"
+    # -- read -----------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The Prometheus text exposition (format 0.0.4) of every metric."""
+        return generate_latest(self.registry)

@@ -1,8 +1,9 @@
 """The scheduler's metrics through the OpenTelemetry metrics SDK as well as /metrics.
 
-One source of truth: SchedulerMetrics. Each of its counter and gauge families becomes an
-observable instrument (`dspark.<name>`, the Prometheus name with `:` -> `.`) whose callback
-reads the current values, so the OTLP or console exporter ships exactly what /metrics shows.
+One source of truth: SchedulerMetrics' prometheus_client registry. Each of its counter and gauge
+families becomes an observable instrument (`dspark.<name>`, the Prometheus name with `:` -> `.`)
+whose callback collects the current values, so the OTLP or console exporter ships exactly what
+/metrics shows.
 """
 
 from __future__ import annotations
@@ -16,25 +17,31 @@ from opentelemetry.sdk.metrics.export import (ConsoleMetricExporter, MetricReade
 from opentelemetry.sdk.resources import Resource
 
 from dspark.serving.config import TraceExporter, TracingFields
-from dspark.serving.metrics import SchedulerMetrics
+from dspark.serving.metrics import PREFIX, SchedulerMetrics
 
 EXPORT_INTERVAL_MS = 15_000
 
 
 def register_instruments(metrics: SchedulerMetrics, meter: Meter) -> list[str]:
-    """Create one observable instrument per metric family; returns their names."""
+    """Create one observable instrument per counter and gauge of the metrics' registry; returns
+    their names (`dspark.<sample name>`, e.g. `dspark.generation_tokens_total`)."""
     names = []
-    for family in metrics.families():  # the families are fixed; their samples change
-        def observe(options: CallbackOptions, name: str = family.name) -> Iterable[Observation]:
-            current = next(f for f in metrics.families() if f.name == name)
-            base = {"model_name": metrics.model_name}
-            return [Observation(value, {**base, **labels}) for labels, value in current.samples]
+    for family in metrics.registry.collect():  # the families are fixed; their samples change
+        if family.type not in ("counter", "gauge"):
+            continue
+        sample_name = family.name + "_total" if family.type == "counter" else family.name
 
-        otel_name = f"dspark.{family.name}"
-        if family.kind == "counter":
-            meter.create_observable_counter(otel_name, [observe], description=family.help)
+        def observe(options: CallbackOptions, family_name: str = family.name,
+                    sample_name: str = sample_name) -> Iterable[Observation]:
+            current = next(f for f in metrics.registry.collect() if f.name == family_name)
+            return [Observation(s.value, s.labels) for s in current.samples
+                    if s.name == sample_name]
+
+        otel_name = "dspark." + sample_name.removeprefix(PREFIX)
+        if family.type == "counter":
+            meter.create_observable_counter(otel_name, [observe], description=family.documentation)
         else:
-            meter.create_observable_gauge(otel_name, [observe], description=family.help)
+            meter.create_observable_gauge(otel_name, [observe], description=family.documentation)
         names.append(otel_name)
     return names
 

@@ -99,13 +99,15 @@ class _Stream:
 class RemoteDrafter:
     def __init__(self, address: str, draft_timeout: float = 10.0, retry_seconds: float = 1.0,
                  connect_timeout: float = 60.0,
-                 on_state_change: Callable[[bool], None] | None = None) -> None:
+                 on_state_change: Callable[[bool], None] | None = None,
+                 internal_token: str = "") -> None:
         self.address = address
+        self.internal_token = internal_token
         self.draft_timeout = draft_timeout
         self.retry_seconds = retry_seconds
         self.on_state_change = on_state_change
         """Called with True when the drafter comes back, False when it is lost."""
-        self._channel = channel(address)
+        self._channel = channel(address, internal_token)
         self._stub = rpc.drafter.DrafterStub(self._channel)
         info = self._stub.Info(pb.common.InfoRequest(), wait_for_ready=True, timeout=connect_timeout)
         self.gamma = int(info.gamma)
@@ -220,7 +222,7 @@ class RemoteDrafter:
         """One quick attempt on a fresh channel (no inherited reconnect backoff); the engine
         loop waits for it, so it must stay short."""
         self._channel.close()
-        self._channel = channel(self.address)
+        self._channel = channel(self.address, self.internal_token)
         self._stub = rpc.drafter.DrafterStub(self._channel)
         try:
             info = self._stub.Info(pb.common.InfoRequest(), timeout=RECONNECT_TIMEOUT_SECONDS)

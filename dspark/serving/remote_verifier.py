@@ -50,17 +50,21 @@ class _History:
 
 class RemoteVerifier:
     def __init__(self, address: str, wait_seconds: float = 60.0,
-                 on_restore: Callable[[list[str]], None] | None = None) -> None:
+                 on_restore: Callable[[list[str]], None] | None = None,
+                 internal_token: str = "") -> None:
         self.address = address
         self.wait_seconds = wait_seconds
         self.on_restore = on_restore
         """Called with the request ids whose caches were rebuilt (metrics, logs)."""
-        self._channel = channel(address)
+        self._channel = channel(address, internal_token)
         self._stub = rpc.verifier.VerifierStub(self._channel)
         info = self._stub.Info(pb.common.InfoRequest(), wait_for_ready=True, timeout=wait_seconds)
         self.vocab_size = int(info.vocab_size)
         self.hidden_layer_ids = list(info.hidden_layer_ids)
         self.max_context_tokens = int(info.max_context_tokens)
+        self.kv_cache_tokens = int(info.kv_cache_tokens)
+        """All requests' KV capacity in the verifier (0 from a verifier that does not say)."""
+        self.kv_block_size = max(1, int(info.kv_block_size))
         self.name = info.name
         self._history: dict[str, _History] = {}
         self._held_from: dict[str, int] = {}

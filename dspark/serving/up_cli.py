@@ -5,11 +5,17 @@ each as its own `python -m services.<name>` process, waits until each answers it
 and prints where the APIs are. Ctrl-C (or SIGTERM) stops it cleanly: the scheduler first (it
 drains in-flight requests), then the drafter and the verifier. If any service dies, the others
 are stopped too and the exit code is 1.
+
+Secrets never travel on a command line (any local user can read those in `ps`): API keys come
+from the scheduler's environment (DSPARK_SCHEDULER_API_KEYS, inherited) or a file
+(`--api-keys-file`), and the internal token that the verifier and the drafter demand of the
+scheduler is generated here, fresh for each run, and handed to the three by environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import signal
 import sys
 import tempfile
@@ -33,15 +39,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--redis-url", default="", help="redis://... (default: in-memory store)")
-    parser.add_argument("--api-keys", default="", help="comma-separated Bearer keys")
+    parser.add_argument("--api-keys-file", default="",
+                        help="file of accepted Bearer keys, one a line (or set "
+                             "DSPARK_SCHEDULER_API_KEYS in the environment); none = no auth")
     parser.add_argument("--cost-table", default="", help="SPS(B) JSON for the verifier")
     parser.add_argument("--log-dir", default="", help="service logs here (default: a temp folder)")
     parser.add_argument("--extra-scheduler-args", default="",
                         help="more scheduler flags, space-separated")
 
 
-def stack_processes(args: argparse.Namespace, log_dir: Path) -> list[tuple[ServiceProcess, str]]:
-    """(process, readiness target) in start order; the target is host:port or an HTTP port."""
+def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str = ""
+                    ) -> list[tuple[ServiceProcess, str]]:
+    """(process, readiness target) in start order; the target is host:port or an HTTP port.
+    `internal_token` reaches each service by environment (DSPARK_<SERVICE>_INTERNAL_TOKEN)."""
+
+    def secret_env(service: str) -> dict[str, str]:
+        return {f"DSPARK_{service}_INTERNAL_TOKEN": internal_token} if internal_token else {}
+
     from dspark.generate import DEFAULT_DRAFTER
 
     drafter_dir = args.drafter_dir or (str(DEFAULT_DRAFTER) if DEFAULT_DRAFTER.is_dir() else "")
@@ -54,18 +68,22 @@ def stack_processes(args: argparse.Namespace, log_dir: Path) -> list[tuple[Servi
         verifier += ["--drafter-dir", drafter_dir]
     if args.cost_table:
         verifier += ["--cost-table", args.cost_table]
-    out = [(ServiceProcess("verifier", verifier, log_dir), f"127.0.0.1:{args.verifier_port}")]
+    out = [(ServiceProcess("verifier", verifier, log_dir, env=secret_env("VERIFIER")),
+            f"127.0.0.1:{args.verifier_port}")]
     if use_drafter:
         out.append((ServiceProcess("drafter", [
             "services.drafter", "--port", str(args.drafter_port), "--drafter-dir", drafter_dir,
-            *model, *common], log_dir), f"127.0.0.1:{args.drafter_port}"))
+            *model, *common], log_dir, env=secret_env("DRAFTER")),
+            f"127.0.0.1:{args.drafter_port}"))
     scheduler = ["services.scheduler", "--host", args.host, "--http-port", str(args.port),
                  "--grpc-port", str(args.grpc_port), "--verifier", f"127.0.0.1:{args.verifier_port}",
                  "--drafter", f"127.0.0.1:{args.drafter_port}" if use_drafter else "",
                  "--model-name", args.model_name, "--policy", args.policy, *model,
-                 "--redis-url", args.redis_url, "--api-keys", args.api_keys,
-                 *args.extra_scheduler_args.split()]
-    out.append((ServiceProcess("scheduler", scheduler, log_dir), str(args.port)))
+                 "--redis-url", args.redis_url, *args.extra_scheduler_args.split()]
+    env = secret_env("SCHEDULER")
+    if args.api_keys_file:
+        env["DSPARK_SCHEDULER_API_KEYS_FILE"] = str(Path(args.api_keys_file).resolve())
+    out.append((ServiceProcess("scheduler", scheduler, log_dir, env=env), str(args.port)))
     return out
 
 
@@ -78,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     started: list[ServiceProcess] = []
     code = 0
     try:
-        for proc, target in stack_processes(args, log_dir):
+        token = secrets.token_urlsafe(32)  # fresh for each run; never printed
+        for proc, target in stack_processes(args, log_dir, token):
             print(f"dspark up: starting {proc.name} (log {log_dir / (proc.name + '.log')})",
                   file=sys.stderr, flush=True)
             started.append(proc.start())

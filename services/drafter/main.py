@@ -49,7 +49,8 @@ def start(config: DrafterServiceConfig, tracer):
 
     servicer = build_servicer(config, tracer)
     server, health, port = grpc_runtime.start_server(
-        servicer, rpc.drafter.add_DrafterServicer_to_server, "dspark.v1.Drafter", config.host, config.port)
+        servicer, rpc.drafter.add_DrafterServicer_to_server, "dspark.v1.Drafter", config.host, config.port,
+        internal_token=config.internal_token_value)
     return server, health, servicer, port
 
 

@@ -75,6 +75,8 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
                                          int(item.anchor_position),
                                          messages.sampling_from_pb(item.sampling),
                                          self._generators[item.request_id]))
+        if not 0 <= round_msg.sparse_top_k <= self.vocab_size:
+            raise ValueError(f"sparse_top_k must be in 0..{self.vocab_size}")
         top_k = round_msg.sparse_top_k or None
         num_positions = round_msg.num_positions or None  # validated by the drafter (ValueError)
         return (self.drafter.draft(requests, sparse_top_k=top_k, num_positions=num_positions)
@@ -91,5 +93,14 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
         if features.dim() != 2 or positions.shape != (features.shape[0],):
             raise ValueError(f"{update.request_id}: features [n, d] and positions [n] disagree: "
                              f"{tuple(features.shape)} vs {tuple(positions.shape)}")
+        # Token ids index the embedding and positions the rotary tables: out of range is a
+        # device-side assert on a GPU, so refuse them before they get there.
+        if positions.dtype.is_floating_point or (positions.numel() and int(positions.min()) < 0):
+            raise ValueError(f"{update.request_id}: positions must be non-negative integers")
+        if tokens is not None and (tokens.dtype.is_floating_point or tokens.shape != positions.shape
+                                   or (tokens.numel() and not (0 <= int(tokens.min()) and
+                                                               int(tokens.max()) < self.vocab_size))):
+            raise ValueError(f"{update.request_id}: token_ids [n] must be ids in the vocabulary "
+                             f"0..{self.vocab_size - 1}")
         self.drafter.append_context(update.request_id, features.float(), positions.long(),
                                     None if tokens is None else tokens.long())

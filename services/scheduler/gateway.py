@@ -3,32 +3,56 @@ submission to the engine loop, incremental detokenization, fetch and resume of s
 
 Validation raises InvalidRequest with the HTTP status and a message naming the problem; the REST
 layer answers it as an OpenAI-style error body, the gRPC layer as INVALID_ARGUMENT (or NOT_FOUND /
-FAILED_PRECONDITION). Nothing reaches the engine unvalidated.
+FAILED_PRECONDITION). Nothing reaches the engine unvalidated: every number is checked against the
+range of the field that will carry it (int32 top_k, int64 seed), so one request's parameters can
+never fail in a later stage that serves a whole batch.
+
+Ownership: each request id is 128 random bits, and its stored record carries the fingerprint of
+the API key that made it (dspark.serving.auth). Fetching or resuming it with another key answers
+exactly what an unknown id answers (404), so ids of others can be neither read nor probed.
+
+Admission: beyond `max_waiting` queued requests a new one is refused with `Overloaded` (HTTP 429
+with Retry-After, gRPC RESOURCE_EXHAUSTED) instead of growing the queue without bound.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dspark.engine import RequestMetrics
 from dspark.sampling import SamplingParams
 from dspark.serving.cohorts import Cohorts
+from dspark.serving.detokenizer import IncrementalDetokenizer
 from dspark.serving.engine_loop import StreamEvent, Submission
+from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStatus, RequestStore, StoredRequest
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# The ranges of the proto fields the parameters travel in (dspark.v1.SamplingParams).
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# A refused client is told to come back after this long (Retry-After): about one round of a
+# loaded stack, so that a retrying client finds the next free slot.
+RETRY_AFTER_SECONDS = 1
 
 
 class InvalidRequest(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+
+
+class Overloaded(InvalidRequest):
+    """The waiting queue is full: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED."""
+
+    def __init__(self, message: str, retry_after_seconds: int = RETRY_AFTER_SECONDS) -> None:
+        super().__init__(message, status=429)
+        self.retry_after_seconds = retry_after_seconds
 
 
 @dataclass
@@ -62,11 +86,16 @@ class GenerationStream:
         self.gateway = gateway
         self.request_id = request_id
         self.prompt_ids = prompt_ids
-        self.output_ids = list(already)
-        """Tokens produced before this stream (a resumed request) and during it."""
         self._events = events
-        self._printed = gateway.decode(self.output_ids)
+        self._text = IncrementalDetokenizer(gateway.decode, already)
         self.finished = False
+        self._started = self._last_output = time.monotonic()
+        self._first_output = True
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Tokens produced before this stream (a resumed request) and during it."""
+        return self._text.token_ids
 
     def __iter__(self) -> Iterator[Chunk]:
         while not self.finished:
@@ -78,15 +107,37 @@ class GenerationStream:
             event: StreamEvent = self._events.get(timeout=timeout)
         except queue.Empty:
             return None
-        self.output_ids += event.new_token_ids
-        text = self.gateway.decode(self.output_ids)
-        # Hold back an incomplete UTF-8 character (decodes to U+FFFD until complete).
-        delta = ""
-        if event.finished or not text.endswith("\ufffd"):
-            delta, self._printed = text[len(self._printed):], text
+        self._record_latency(event)
+        delta = self._text.push(event.new_token_ids, final=event.finished)
         self.finished = event.finished
         return Chunk(event.new_token_ids, delta, event.finished, event.finish_reason,
                      len(self.prompt_ids), len(self.output_ids), event.metrics, event.error)
+
+    def _record_latency(self, event: StreamEvent) -> None:
+        """Time to first token, between outputs, and to the end, into the gateway's metrics."""
+        metrics, now = self.gateway.metrics, time.monotonic()
+        if metrics is None:
+            return
+        if event.new_token_ids:
+            if self._first_output:
+                metrics.record_first_token(now - self._started)
+            else:
+                metrics.record_inter_token(now - self._last_output)
+            self._first_output, self._last_output = False, now
+        if event.finished:
+            metrics.record_request_latency(now - self._started)
+
+    def call_on_event(self, callback: Callable[[], None]) -> None:
+        """Have `callback` called on the engine loop's thread after each event is queued for
+        this stream, so that an asyncio front end can wait for events without a thread of its
+        own (it then reads them with `next_chunk(timeout=0)`)."""
+        put = self._events.put
+
+        def put_then_call(*args, **kwargs) -> None:
+            put(*args, **kwargs)
+            callback()
+
+        self._events.put = put_then_call
 
     def cancel(self) -> None:
         if not self.finished:
@@ -96,8 +147,11 @@ class GenerationStream:
 class Gateway:
     def __init__(self, loop: Cohorts, store: RequestStore, tokenizer, model_name: str,
                  max_tokens_limit: int, max_context_tokens: int, vocab_size: int,
-                 stop_token_ids: list[int]) -> None:
+                 stop_token_ids: list[int], metrics: SchedulerMetrics | None = None,
+                 max_waiting: int = 64, max_prompt_chars: int = 262144) -> None:
         self.loop = loop
+        self.metrics = metrics
+        """Where the streams record their latencies (None: nowhere)."""
         self.store = store
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -105,11 +159,16 @@ class Gateway:
         self.max_context_tokens = max_context_tokens
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._counter = itertools.count()
+        self.max_waiting = max_waiting
+        """Requests queued (not yet running) beyond which new ones are refused (Overloaded)."""
+        self.max_prompt_chars = max_prompt_chars
+        """Longest prompt text tokenized; tokenizing runs under one lock for every client."""
         # Rust fast tokenizers can raise "Already borrowed" when one object is used from several
         # threads at once (HTTP and gRPC handlers run in threads): one call at a time.
         self._tokenizer_lock = threading.Lock()
-        self._id_prefix = f"{os.getpid():x}{int(time.time()):x}"
+        # Admission check, resume's liveness check and the submission happen together, so two
+        # concurrent resumes of one id cannot both start it and the queue bound holds.
+        self._submit_lock = threading.Lock()
 
     # -- validation -------------------------------------------------------------------------
     def check_model(self, name: Any) -> None:
@@ -123,10 +182,11 @@ class Gateway:
              top_k: Any = 0, seed: Any = None, max_tokens: Any = 16) -> GenerationSpec:
         max_tokens = _number(max_tokens, "max_tokens", int)
         if max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-        if max_tokens > self.max_tokens_limit:
-            raise InvalidRequest(f"max_tokens must be <= {self.max_tokens_limit}, got {max_tokens}",
+            raise InvalidRequest(f"max_tokens must be >= 1, got {_short(max_tokens)}",
                                  param="max_tokens")
+        if max_tokens > self.max_tokens_limit:
+            raise InvalidRequest(f"max_tokens must be <= {self.max_tokens_limit}, got "
+                                 f"{_short(max_tokens)}", param="max_tokens")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt_ids) + max_tokens > self.max_context_tokens:
@@ -140,10 +200,14 @@ class Gateway:
         if not 0 < top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
         top_k = _number(top_k, "top_k", int)
-        if top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0, got {top_k}", param="top_k")
+        if not 0 <= top_k <= INT32_MAX:
+            raise InvalidRequest(f"top_k must be in 0..{INT32_MAX}, got {_short(top_k)}",
+                                 param="top_k")
         if seed is not None:
             seed = _number(seed, "seed", int)
+            if not INT64_MIN <= seed <= INT64_MAX:
+                raise InvalidRequest(f"seed must be a 64-bit signed integer, got {_short(seed)}",
+                                     param="seed")
         return GenerationSpec(prompt_ids, SamplingParams(temperature, top_k, top_p, seed),
                               max_tokens)
 
@@ -154,10 +218,14 @@ class Gateway:
         if isinstance(prompt, str):
             if not prompt:
                 return []
+            self._check_text(prompt, "prompt")
             with self._tokenizer_lock:
                 return self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                             for t in prompt):
+            if len(prompt) > self.max_context_tokens:
+                raise InvalidRequest(f"prompt of {len(prompt)} tokens is longer than the context "
+                                     f"of {self.max_context_tokens} tokens", param="prompt")
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(f"prompt token ids outside the vocabulary 0..{self.vocab_size - 1}: "
@@ -175,56 +243,93 @@ class Gateway:
                                      param="messages")
             if not isinstance(m.get("content"), str):
                 raise InvalidRequest(f"messages[{i}].content must be a string", param="messages")
+        if sum(len(m["content"]) for m in messages) > self.max_prompt_chars:
+            raise InvalidRequest(f"messages longer than {self.max_prompt_chars} characters",
+                                 param="messages")
+        for m in messages:
+            self._check_text(m["content"], "messages")
         clean = [{"role": m["role"], "content": m["content"]} for m in messages]
         with self._tokenizer_lock:
             text = self.tokenizer.apply_chat_template(clean, tokenize=False,
                                                       add_generation_prompt=True)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    # -- generation -------------------------------------------------------------------------
-    def new_request_id(self, kind: str = "cmpl") -> str:
-        return f"{kind}-{self._id_prefix}-{next(self._counter)}"
+    def _check_text(self, text: str, param: str) -> None:
+        """Before tokenizing: bounded length, and encodable (a JSON \\ud800 is a lone surrogate)."""
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequest(f"{param} longer than {self.max_prompt_chars} characters",
+                                 param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"{param} is not valid Unicode (a lone surrogate)",
+                                 param=param) from None
 
-    def start(self, spec: GenerationSpec, request_id: str) -> GenerationStream:
+    # -- generation -------------------------------------------------------------------------
+    @staticmethod
+    def new_request_id(kind: str = "cmpl") -> str:
+        """128 random bits: unguessable, and unique across replicas without coordination."""
+        return f"{kind}-{secrets.token_hex(16)}"
+
+    def start(self, spec: GenerationSpec, request_id: str, owner: str = "") -> GenerationStream:
+        """`owner`: the fingerprint of the caller's API key ('' with authentication off)."""
         sampling = spec.sampling
         stored = StoredRequest(request_id, spec.prompt_ids,
                                {"temperature": sampling.temperature, "top_k": sampling.top_k,
                                 "top_p": sampling.top_p, "seed": sampling.seed},
-                               spec.max_tokens, list(self.stop_token_ids))
-        events = self._submit(Submission(request_id, spec.prompt_ids, sampling, spec.max_tokens,
-                                         list(self.stop_token_ids), stored))
+                               spec.max_tokens, list(self.stop_token_ids), owner=owner)
+        with self._submit_lock:
+            events = self._submit(Submission(request_id, spec.prompt_ids, sampling,
+                                             spec.max_tokens, list(self.stop_token_ids), stored))
         return GenerationStream(self, request_id, spec.prompt_ids, [], events)
 
-    def fetch(self, request_id: str) -> StoredRequest:
-        record = self.store.get(request_id)
-        if record is None:
-            raise InvalidRequest(f"no request {request_id!r}", status=404, param="request_id")
+    def fetch(self, request_id: str, owner: str = "") -> StoredRequest:
+        """The caller's stored request. Another key's request is answered as an unknown one, and
+        the message never echoes the id (a 404 page must not carry someone else's id)."""
+        record = self.store.get(request_id) if isinstance(request_id, str) else None
+        if record is None or not _same_owner(record.owner, owner):
+            raise InvalidRequest("no such request", status=404, param="request_id")
         if record.status == RequestStatus.RUNNING and not self.loop.is_live(request_id):
             record.status = RequestStatus.INTERRUPTED
         return record
 
-    def resume(self, request_id: str) -> GenerationStream:
+    def resume(self, request_id: str, owner: str = "") -> GenerationStream:
         """Continue an interrupted request from its stored tokens (same id, same record).
 
         A finished one is replayed: one chunk with everything it produced."""
-        record = self.fetch(request_id)
-        if self.loop.is_live(request_id):
-            raise InvalidRequest(f"request {request_id!r} is running; fetch it instead",
-                                 status=409, param="request_id")
-        remaining = record.max_tokens - len(record.output_ids)
-        resumable = record.finish_reason in ("abort", "error")
-        if (record.status == RequestStatus.FINISHED and not resumable) or remaining < 1:
-            done: queue.Queue = queue.Queue()
-            done.put(StreamEvent([], True, record.finish_reason or "length"))
-            return GenerationStream(self, request_id, record.prompt_ids, record.output_ids, done)
-        s = record.sampling
-        sampling = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s.get("seed"))
-        record.status, record.finish_reason = RequestStatus.RUNNING, ""
-        events = self._submit(Submission(request_id, record.prompt_ids + record.output_ids,
-                                         sampling, remaining, record.stop_token_ids, record))
+        with self._submit_lock:  # two concurrent resumes of one id: the second finds it live
+            record = self.fetch(request_id, owner)
+            if self.loop.is_live(request_id):
+                raise InvalidRequest("the request is running; fetch it instead", status=409,
+                                     param="request_id")
+            remaining = record.max_tokens - len(record.output_ids)
+            resumable = record.finish_reason in ("abort", "error")
+            if (record.status == RequestStatus.FINISHED and not resumable) or remaining < 1:
+                done: queue.Queue = queue.Queue()
+                done.put(StreamEvent([], True, record.finish_reason or "length"))
+                return GenerationStream(self, request_id, record.prompt_ids, record.output_ids,
+                                        done)
+            s = record.sampling
+            sampling = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s.get("seed"))
+            record.status, record.finish_reason = RequestStatus.RUNNING, ""
+            events = self._submit(Submission(request_id, record.prompt_ids + record.output_ids,
+                                             sampling, remaining, record.stop_token_ids, record))
         return GenerationStream(self, request_id, record.prompt_ids, record.output_ids, events)
 
     def _submit(self, submission: Submission) -> queue.Queue:
+        """Admit, store, then queue (under _submit_lock). Storing here, before the response has
+        started, lets a store that is down refuse the request with a 503 instead of failing it
+        after its 200."""
+        waiting = self.loop.queue_depth()
+        if waiting >= self.max_waiting:
+            raise Overloaded(f"the server is at capacity ({waiting} requests waiting); retry "
+                             f"after {RETRY_AFTER_SECONDS} s")
+        if submission.stored is not None:
+            try:
+                self.store.create(submission.stored)
+            except Exception as e:
+                raise InvalidRequest(f"the request store is unavailable: {type(e).__name__}; "
+                                     "retry shortly", status=503) from e
         try:
             return self.loop.submit(submission)
         except RuntimeError as e:
@@ -239,11 +344,30 @@ class Gateway:
                                          skip_special_tokens=True)
 
 
+def _same_owner(stored: str, caller: str) -> bool:
+    return secrets.compare_digest(stored.encode(), caller.encode())
+
+
 def _number(value: Any, name: str, kind: type) -> Any:
+    """A finite number of `kind` (an int may be a float with no fraction: 16.0)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequest(f"{name} must be a number, got {value!r}", param=name)
-    if kind is int and int(value) != value:
-        raise InvalidRequest(f"{name} must be an integer, got {value!r}", param=name)
-    if value != value or value in (float("inf"), float("-inf")):
+        raise InvalidRequest(f"{name} must be a number, got {_short(value)}", param=name)
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
         raise InvalidRequest(f"{name} must be finite, got {value!r}", param=name)
-    return kind(value)
+    if kind is int:
+        if int(value) != value:
+            raise InvalidRequest(f"{name} must be an integer, got {value!r}", param=name)
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond the float range (10**400)
+        raise InvalidRequest(f"{name} is out of range, got {_short(value)}", param=name) from None
+
+
+def _short(value: Any) -> str:
+    """repr() for a message, at most 40 characters (a 10**4300-digit integer must not be echoed)."""
+    try:
+        text = repr(value)
+    except ValueError:  # int -> str of more than sys.get_int_max_str_digits() digits
+        return "a number too large to print"
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -7,51 +7,58 @@ speculative metrics. A client that cancels or disconnects has its request aborte
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from dspark.serving import messages
+from dspark.serving.auth import ApiKeys, deny_handler
 from dspark.serving.protos import pb, rpc
-from services.scheduler.gateway import Gateway, GenerationStream, InvalidRequest
+from services.scheduler.gateway import Gateway, GenerationStream, InvalidRequest, Overloaded
 
+_LOGGER = logging.getLogger("dspark.scheduler")
 _GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
               404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.FAILED_PRECONDITION,
-              503: grpc.StatusCode.UNAVAILABLE}
+              429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+
+
+def _authorization(context: grpc.ServicerContext) -> str:
+    return str(dict(context.invocation_metadata() or ()).get("authorization", ""))
 
 
 class ApiKeyInterceptor(grpc.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <key>` metadata (health checks excepted)."""
 
-    def __init__(self, keys: frozenset[str]) -> None:
+    def __init__(self, keys: ApiKeys) -> None:
         self.keys = keys
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if not self.keys or handler_call_details.method.startswith("/grpc.health."):
+        if not self.keys.enabled or handler_call_details.method.startswith("/grpc.health."):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        header = metadata.get("authorization", "")
-        if header.startswith("Bearer ") and header[len("Bearer "):].strip() in self.keys:
+        if self.keys.owner(str(metadata.get("authorization", ""))) is not None:
             return handler
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or invalid API key (metadata authorization: Bearer <key>)")
-
-        if handler is not None and handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                deny, request_deserializer=handler.request_deserializer)
-        return grpc.unary_unary_rpc_method_handler(
-            deny, request_deserializer=handler.request_deserializer if handler else None)
+        return deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid API key (metadata authorization: Bearer <key>)")
 
 
 class GenerationServicer(rpc.generation.GenerationServicer):
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, keys: ApiKeys) -> None:
         self.gateway = gateway
+        self.keys = keys
 
-    def _start(self, request) -> GenerationStream:
+    def _owner(self, context: grpc.ServicerContext) -> str:
+        """The caller's key fingerprint (the interceptor already refused unknown keys)."""
+        owner = self.keys.owner(_authorization(context))
+        if owner is None:
+            raise InvalidRequest("missing or invalid API key", 401)
+        return owner
+
+    def _start(self, request, owner: str) -> GenerationStream:
         g = self.gateway
         if request.resume_request_id:
-            return g.resume(request.resume_request_id)
+            return g.resume(request.resume_request_id, owner)
         g.check_model(request.model)
         given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
         if sum(given) != 1:
@@ -66,13 +73,19 @@ class GenerationServicer(rpc.generation.GenerationServicer):
                       top_p=s.top_p if s.top_p else 1.0,  # proto3 default 0 = unset
                       top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
                       max_tokens=request.max_tokens or 16)
-        return g.start(spec, g.new_request_id("gen"))
+        return g.start(spec, g.new_request_id("gen"), owner)
 
     def Generate(self, request, context):
         try:
-            stream = self._start(request)
+            stream = self._start(request, self._owner(context))
+        except Overloaded as e:
+            context.set_trailing_metadata([("retry-after", str(e.retry_after_seconds))])
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
         except InvalidRequest as e:
             context.abort(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
+        except Exception:  # a bug: INTERNAL without internals (gRPC would send the message)
+            _LOGGER.exception("unexpected error in Generate")
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
         context.add_callback(stream.cancel)  # no-op once finished
         for chunk in stream:
             if chunk.error:
@@ -94,9 +107,12 @@ class GenerationServicer(rpc.generation.GenerationServicer):
 
     def GetRequest(self, request, context):
         try:
-            r = self.gateway.fetch(request.request_id)
+            r = self.gateway.fetch(request.request_id, self._owner(context))
         except InvalidRequest as e:
             context.abort(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message)
+        except Exception:
+            _LOGGER.exception("unexpected error in GetRequest")
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
         from dspark.sampling import SamplingParams
 
         s = r.sampling

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,6 @@ class Scheduler:
     grpc_server: object
     health: object
     rest_server: object
-    rest_thread: threading.Thread
     verifiers: list
     drafters: list
     tracing: object
@@ -35,14 +33,16 @@ class Scheduler:
     logger: object
     grpc_port: int
     http_port: int
+    make_app: object
+    """() -> a new FastAPI app of this scheduler's REST API (one per event loop that serves it:
+    Ray Serve's replica serves its own beside the uvicorn server)."""
 
     def stop(self) -> None:
         from dspark.serving import grpc_runtime
 
         grpc_runtime.set_serving(self.health, ["dspark.v1.Generation"], False)
         self.loop.stop(self.config.grace_seconds)  # drain in-flight requests
-        self.rest_server.shutdown()
-        self.rest_server.server_close()
+        self.rest_server.stop()
         self.grpc_server.stop(1.0).wait()
         for proxy in [*self.drafters, *self.verifiers]:
             proxy.close()
@@ -85,13 +85,15 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
         grpc_runtime.log_event(logger, "drafter back: speculating" if available
                                else "drafter lost: plain decoding until it is back")
 
-    verifier = RemoteVerifier(config.verifier, config.verifier_wait_seconds, on_restore=restored)
+    token = config.internal_token_value
+    verifier = RemoteVerifier(config.verifier, config.verifier_wait_seconds, on_restore=restored,
+                              internal_token=token)
     policy = AdmissionPolicy.parse(config.policy)
     drafter = None
     if config.drafter and str(policy) != "none":
         drafter = RemoteDrafter(config.drafter, config.draft_timeout_seconds,
                                 config.drafter_retry_seconds, config.verifier_wait_seconds,
-                                on_state_change=drafter_state)
+                                on_state_change=drafter_state, internal_token=token)
         if drafter.target_layer_ids != verifier.hidden_layer_ids:
             raise SystemExit(f"the drafter reads target layers {drafter.target_layer_ids} but the "
                              f"verifier returns {verifier.hidden_layer_ids}")
@@ -107,7 +109,10 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
                                  hold_features=config.hold_features,
                                  min_gain=config.min_gain,
                                  prefill_chunk_tokens=config.prefill_chunk_tokens,
-                                 update_cost_table=config.update_cost_table, objective=objective))
+                                 update_cost_table=config.update_cost_table, objective=objective,
+                                 # The cohorts share the verifier's cache: an equal part each.
+                                 kv_cache_tokens=verifier.kv_cache_tokens // config.cohorts,
+                                 kv_block_size=verifier.kv_block_size))
     return Cohort(verifier, drafter, engine)
 
 
@@ -122,18 +127,20 @@ def start(config: SchedulerConfig) -> Scheduler:
     from dspark.serving.otel_metrics import metric_reader, setup_metrics
     from dspark.serving.protos import rpc
     from dspark.serving.remote_verifier import RemoteVerifier
+    from dspark.serving.auth import ApiKeys
     from dspark.serving.store import open_store
     from dspark.serving.tracing import setup_tracing
     from services.scheduler.gateway import Gateway
     from services.scheduler.grpc_api import ApiKeyInterceptor, GenerationServicer
-    from services.scheduler.rest_api import RestServer
+    from services.scheduler.rest_api import RestServer, build_app
 
     logger = grpc_runtime.service_logger("scheduler")
     tracing = setup_tracing("scheduler", config)
     metrics = SchedulerMetrics(config.model_name)
     meter_provider = setup_metrics("scheduler", metrics, metric_reader(config))
-    store = open_store(config.redis_url, config.redis_prefix)
-    probe = RemoteVerifier(config.verifier, config.verifier_wait_seconds)
+    store = open_store(config.redis_url, config.redis_prefix, config.stored_request_ttl_seconds)
+    probe = RemoteVerifier(config.verifier, config.verifier_wait_seconds,
+                           internal_token=config.internal_token_value)
     name = probe.name  # the cost table is stored under the target's name
     stored_table = store.load_cost_table(name)
     table = CostTable.from_dict(stored_table) if stored_table else probe.cost_table()
@@ -146,17 +153,24 @@ def start(config: SchedulerConfig) -> Scheduler:
                      for i, c in enumerate(cohorts)])
     verifier = cohorts[0].verifier
     gateway = Gateway(loops, store, tokenizer, config.model_name, config.max_tokens_limit,
-                      verifier.max_context_tokens, verifier.vocab_size, stop_token_ids(tokenizer))
+                      verifier.max_context_tokens, verifier.vocab_size, stop_token_ids(tokenizer),
+                      metrics, max_waiting=config.max_waiting,
+                      max_prompt_chars=config.max_prompt_chars)
+    keys = ApiKeys(config.api_key_set)
     loops.start()
 
+    # A thread per stream the gateway can admit (running + waiting), and spare ones so that
+    # health checks and refusals (429) are answered while every admitted stream holds one.
+    grpc_threads = config.max_running * config.cohorts + config.max_waiting + 8
     grpc_server, health = grpc_runtime.new_server(
-        interceptors=(ApiKeyInterceptor(config.api_key_set),))
-    rpc.generation.add_GenerationServicer_to_server(GenerationServicer(gateway), grpc_server)
+        interceptors=(ApiKeyInterceptor(keys),), threads=grpc_threads,
+        max_message_bytes=grpc_runtime.PUBLIC_MAX_MESSAGE_BYTES)
+    rpc.generation.add_GenerationServicer_to_server(GenerationServicer(gateway, keys), grpc_server)
     grpc_port = grpc_runtime.bind(grpc_server, config.host, config.grpc_port)
     grpc_server.start()
     drafters = [c.drafter for c in cohorts if c.drafter is not None]
 
-    def render_metrics() -> str:
+    def render_metrics() -> bytes:
         metrics.set_fallback_rounds(sum(d.fallback_rounds for d in drafters))
         return metrics.render()
 
@@ -166,20 +180,20 @@ def start(config: SchedulerConfig) -> Scheduler:
                 "cohorts": len(cohorts), "running": loops.num_running(),
                 "waiting": loops.queue_depth()}
 
-    rest_server = RestServer((config.host, config.http_port), gateway, config.api_key_set,
-                             render_metrics, health_body)
-    rest_thread = threading.Thread(target=rest_server.serve_forever, name="rest", daemon=True)
-    rest_thread.start()
+    def make_app():
+        return build_app(gateway, keys, metrics, render_metrics, health_body)
+
+    rest_server = RestServer(make_app(), config.host, config.http_port).start()
     grpc_runtime.set_serving(health, ["dspark.v1.Generation"], True)
-    http_port = rest_server.server_address[1]
+    http_port = rest_server.port
     grpc_runtime.log_event(logger, "serving", http=f"{config.host}:{http_port}",
                            grpc=f"{config.host}:{grpc_port}", verifier=config.verifier,
                            drafter=config.drafter or None, policy=config.policy,
                            cohorts=config.cohorts,
                            store="redis" if config.redis_url else "memory", pid=os.getpid())
-    return Scheduler(config, loops, grpc_server, health, rest_server, rest_thread,
+    return Scheduler(config, loops, grpc_server, health, rest_server,
                      [c.verifier for c in cohorts], drafters, tracing, meter_provider, logger,
-                     grpc_port, http_port)
+                     grpc_port, http_port, make_app)
 
 
 def serve(config: SchedulerConfig) -> int:

@@ -62,7 +62,8 @@ def start(config: VerifierServiceConfig, tracer):
 
     servicer = build_servicer(config, tracer)
     server, health, port = grpc_runtime.start_server(
-        servicer, rpc.verifier.add_VerifierServicer_to_server, "dspark.v1.Verifier", config.host, config.port)
+        servicer, rpc.verifier.add_VerifierServicer_to_server, "dspark.v1.Verifier", config.host, config.port,
+        internal_token=config.internal_token_value)
     return server, health, servicer, port
 
 

@@ -74,7 +74,9 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                                         hidden_layer_ids=list(runner.config.hidden_layer_ids),
                                         name=self.name,
                                         max_context_tokens=self.limits.max_context_tokens,
-                                        active_requests=held)
+                                        active_requests=held,
+                                        kv_cache_tokens=runner.cache.manager.capacity_tokens,
+                                        kv_block_size=runner.cache.manager.block_size)
 
     def Prefill(self, request, context):
         with self._span("verifier.prefill", context) as span:
@@ -189,7 +191,11 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                             hold_features=item.hold_features)
 
     def _verify_request(self, item, runner) -> VerifyRequest:
-        block, n = messages.admitted_drafts_from_pb(item, self.verifier.vocab_size)
+        vocab = self.verifier.vocab_size
+        if not 0 <= item.anchor_token < vocab:
+            raise ValueError(f"{item.request_id}: anchor_token {item.anchor_token} outside the "
+                             f"vocabulary 0..{vocab - 1}")
+        block, n = messages.admitted_drafts_from_pb(item, vocab)
         if runner.length(item.request_id) + 1 + n > self.limits.max_context_tokens:
             raise ValueError(f"{item.request_id}: would exceed the context of "
                              f"{self.limits.max_context_tokens} tokens")

@@ -44,30 +44,31 @@ class Stack:
     api_key: str = API_KEY
 
 
-def start_verifier(models: TinyModels, name: str = "verifier", port: int | None = None
-                   ) -> tuple[ServiceProcess, str]:
+def start_verifier(models: TinyModels, name: str = "verifier", port: int | None = None,
+                   env: dict[str, str] | None = None) -> tuple[ServiceProcess, str]:
     port = port or free_port()
     proc = ServiceProcess(name, [
         "services.verifier", "--port", str(port), "--model-dir", str(models.target_dir),
         "--drafter-dir", str(models.drafter_dir), "--kv-cache-tokens", "8192",
         "--max-context-tokens", "256", "--cost-table", str(models.cost_table),
-        *tracing_args(models, name)], log_dir=models.work).start()
+        *tracing_args(models, name)], log_dir=models.work, env=env or {}).start()
     return proc, f"127.0.0.1:{port}"
 
 
-def start_drafter(models: TinyModels, name: str = "drafter", port: int | None = None
-                  ) -> tuple[ServiceProcess, str]:
+def start_drafter(models: TinyModels, name: str = "drafter", port: int | None = None,
+                  env: dict[str, str] | None = None) -> tuple[ServiceProcess, str]:
     port = port or free_port()
     proc = ServiceProcess(name, [
         "services.drafter", "--port", str(port), "--model-dir", str(models.target_dir),
         "--drafter-dir", str(models.drafter_dir), *tracing_args(models, name)],
-        log_dir=models.work).start()
+        log_dir=models.work, env=env or {}).start()
     return proc, f"127.0.0.1:{port}"
 
 
 def start_scheduler(models: TinyModels, verifier: str, drafter: str, name: str = "scheduler",
                     extra: tuple[str, ...] = (), http_port: int | None = None,
-                    grpc_port: int | None = None) -> tuple[ServiceProcess, int, int]:
+                    grpc_port: int | None = None, env: dict[str, str] | None = None
+                    ) -> tuple[ServiceProcess, int, int]:
     http_port, grpc_port = http_port or free_port(), grpc_port or free_port()
     proc = ServiceProcess(name, [
         "services.scheduler", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
@@ -77,7 +78,7 @@ def start_scheduler(models: TinyModels, verifier: str, drafter: str, name: str =
         # The smooth test cost table stays as it is: measured tiny-model steps would make it a
         # noisy staircase and the admission erratic (the tests check speculation happens).
         "--update-cost-table", "false",
-        *tracing_args(models, name), *extra], log_dir=models.work).start()
+        *tracing_args(models, name), *extra], log_dir=models.work, env=env or {}).start()
     return proc, http_port, grpc_port
 
 
@@ -87,11 +88,11 @@ class Launcher:
     def __init__(self, models: TinyModels) -> None:
         self.models = models
 
-    def verifier(self, name: str = "verifier", port: int | None = None):
-        return start_verifier(self.models, name, port)
+    def verifier(self, name: str = "verifier", port: int | None = None, **kwargs):
+        return start_verifier(self.models, name, port, **kwargs)
 
-    def drafter(self, name: str = "drafter", port: int | None = None):
-        return start_drafter(self.models, name, port)
+    def drafter(self, name: str = "drafter", port: int | None = None, **kwargs):
+        return start_drafter(self.models, name, port, **kwargs)
 
     def scheduler(self, verifier: str, drafter: str, name: str = "scheduler", **kwargs):
         return start_scheduler(self.models, verifier, drafter, name, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client.parser import text_string_to_metric_families
 
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.otel_metrics import register_instruments
@@ -19,22 +20,49 @@ def filled_metrics() -> SchedulerMetrics:
     m.record_finished("length")
     m.record_stage_seconds({"draft": 0.25, "verify": 0.5, "other": 0.125}, skipped_draft_rounds=2)
     m.record_stage_seconds({"draft": 0.25, "prefill": 1.0})
+    m.record_first_token(0.2)
     return m
 
 
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value}, read by prometheus_client's own parser."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_prometheus_text():
-    text = filled_metrics().render()
-    assert 'dspark:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="2"} 1' in text
-    assert 'dspark:spec_decode_num_verified_tokens_per_pos_total{model_name="tiny",position="3"} 1' in text
-    assert 'dspark:spec_decode_num_draft_tokens_total{model_name="tiny"} 3' in text
-    assert 'dspark:spec_decode_acceptance_length{model_name="tiny"} 2.0' in text  # (3 + 1) / 2
-    assert 'dspark:spec_decode_verify_batch_tokens_bucket{model_name="tiny",le="8"} 1' in text
-    assert 'dspark:request_success_total{model_name="tiny",finished_reason="length"} 1' in text
-    assert 'dspark:spec_decode_target_steps_per_second{model_name="tiny"} 50.0' in text
-    assert 'dspark:round_seconds_total{model_name="tiny",stage="draft"} 0.5' in text
-    assert 'dspark:round_seconds_total{model_name="tiny",stage="prefill"} 1.0' in text
-    assert 'dspark:round_seconds_total{model_name="tiny",stage="admission"} 0.0' in text
-    assert 'dspark:spec_decode_skipped_draft_rounds_total{model_name="tiny"} 2' in text
+    values = samples(filled_metrics().render().decode())
+    tiny = (("model_name", "tiny"),)
+
+    def value(name: str, **labels: str) -> float:
+        return values[(name, tuple(sorted((*tiny, *labels.items()))))]
+
+    assert value("dspark:spec_decode_num_accepted_tokens_per_pos_total", position="2") == 1
+    assert value("dspark:spec_decode_num_verified_tokens_per_pos_total", position="3") == 1
+    assert value("dspark:spec_decode_num_draft_tokens_total") == 3
+    assert value("dspark:spec_decode_acceptance_length") == 2.0  # (2 accepted + 2 drafts) / 2
+    assert value("dspark:spec_decode_mean_verification_length") == 1.5  # 3 drafts / 2 blocks
+    assert value("dspark:spec_decode_verify_batch_tokens_bucket", le="8.0") == 1
+    assert value("dspark:spec_decode_verify_batch_tokens_bucket", le="4.0") == 0
+    assert value("dspark:request_success_total", finished_reason="length") == 1
+    assert value("dspark:request_success_total", finished_reason="stop") == 0
+    assert value("dspark:spec_decode_target_steps_per_second") == 50.0
+    assert value("dspark:round_seconds_total", stage="draft") == 0.5
+    assert value("dspark:round_seconds_total", stage="prefill") == 1.0
+    assert value("dspark:round_seconds_total", stage="admission") == 0.0
+    assert value("dspark:spec_decode_skipped_draft_rounds_total") == 2
+    assert value("dspark:num_requests_running") == 2
+    assert value("dspark:time_to_first_token_seconds_count") == 1
+    assert value("dspark:time_to_first_token_seconds_bucket", le="0.25") == 1
+    assert value("dspark:time_to_first_token_seconds_bucket", le="0.1") == 0
+
+
+def test_fallback_rounds_counter_follows_the_drafters_total():
+    m = SchedulerMetrics("tiny")
+    for total in (0, 3, 3, 7):
+        m.set_fallback_rounds(total)
+    values = samples(m.render().decode())
+    assert values[("dspark:spec_decode_fallback_rounds_total", (("model_name", "tiny"),))] == 7
 
 
 def test_otel_bridge_exports_the_same_values():

@@ -1,0 +1,186 @@
+"""The REST API's OpenAI surface against the real stack: the official client (sync and async,
+streamed and not), the parameters users send (null = default, stop strings, seed, usage,
+stream_options), validation errors as OpenAI's 400 with `param`, and the OpenAPI schema."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+PROMPT = [3, 9, 27, 17]
+
+
+def base_url(stack) -> str:
+    return f"http://127.0.0.1:{stack.http_port}"
+
+
+def post(stack, path: str, body: dict | None = None, raw: bytes | None = None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(base_url(stack) + path, data=data, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {stack.api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def words(token_ids: list[int]) -> str:
+    return " ".join(f"t{t}" for t in token_ids)
+
+
+def test_async_client_streamed_and_not(stack, embedded_greedy):
+    expected = embedded_greedy(PROMPT, 12)
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=base_url(stack) + "/v1", api_key=stack.api_key,
+                                    max_retries=0, timeout=60)
+        whole = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12,
+                                                temperature=0)
+        stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12,
+                                                 temperature=0, stream=True)
+        pieces = [chunk async for chunk in stream]
+        chat = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "t11 t12 t13"}], max_tokens=6,
+            temperature=0)
+        await client.close()
+        return whole, pieces, chat
+
+    whole, pieces, chat = asyncio.run(run())
+    assert whole.choices[0].text == words(expected)
+    assert "".join(p.choices[0].text for p in pieces) == words(expected)
+    assert pieces[-1].usage.completion_tokens == 12 and pieces[-1].choices[0].finish_reason == "length"
+    assert chat.choices[0].message.content == words(embedded_greedy([1, 11, 12, 13, 2, 3], 6))
+    assert chat.usage.prompt_tokens == 6 and chat.usage.total_tokens == 12
+
+
+def test_sync_chat_not_streamed_has_usage(stack, embedded_greedy):
+    client = openai.OpenAI(base_url=base_url(stack) + "/v1", api_key=stack.api_key, max_retries=0,
+                           timeout=60)
+    out = client.chat.completions.create(model="tiny", max_tokens=5, temperature=0,
+                                         messages=[{"role": "user", "content": "t4 t5"}])
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == words(embedded_greedy([1, 4, 5, 2, 3], 5))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 5)
+
+
+def test_null_means_the_default(stack):
+    status, body = post(stack, "/v1/completions", {
+        "model": "tiny", "prompt": PROMPT, "max_tokens": None, "temperature": None,
+        "top_p": None, "seed": None, "stop": None, "stream": None, "n": None, "user": None,
+        "stream_options": None, "logprobs": None})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_the_output_before_it(stack, embedded_greedy, stream):
+    expected = words(embedded_greedy(PROMPT, 20))
+    stop = " " + expected.split()[6]  # the 7th token's word
+    cut = expected[:expected.find(stop)]
+    client = openai.OpenAI(base_url=base_url(stack) + "/v1", api_key=stack.api_key, max_retries=0,
+                           timeout=60)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                    stop=[stop, "never-produced"], stream=stream)
+    if stream:
+        chunks = list(out)
+        text = "".join(c.choices[0].text for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        text, reason = out.choices[0].text, out.choices[0].finish_reason
+    assert text == cut and reason == "stop"
+
+
+def test_seed_makes_sampling_reproducible(stack):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 1234}
+    first = post(stack, "/v1/completions", body)[1]["dspark"]["token_ids"]
+    second = post(stack, "/v1/completions", body)[1]["dspark"]["token_ids"]
+    assert first == second and len(first) == 12
+
+
+def test_stream_without_include_usage_has_no_chat_usage(stack):
+    client = openai.OpenAI(base_url=base_url(stack) + "/v1", api_key=stack.api_key, max_retries=0,
+                           timeout=60)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "t3"}], max_tokens=4, temperature=0,
+        stream=True))
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("extra, param, words_in_message", [
+    ({"logprobs": 2}, "logprobs", "logprobs is not supported"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty", "frequency_penalty is not supported"),
+    ({"best_of": 3}, "best_of", "best_of is not supported"),
+    ({"tools": []}, "tools", "unsupported parameter 'tools'"),
+    ({"temperature": "hot"}, "temperature", "temperature must be a number"),
+    ({"stream": "yes"}, "stream", "stream"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop strings"),
+    ({"stream_options": {"include_usage": True, "colour": 1}}, "stream_options",
+     "unsupported parameter 'stream_options.colour'"),
+])
+def test_unsupported_or_invalid_parameter_is_a_400_naming_it(stack, extra, param,
+                                                             words_in_message):
+    status, body = post(stack, "/v1/completions", {"model": "tiny", "prompt": PROMPT,
+                                                   "max_tokens": 4, **extra})
+    assert status == 400, body
+    assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
+    assert words_in_message in body["error"]["message"]
+
+
+def test_chat_logprobs_and_n_are_refused_by_name(stack):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "t3"}], "max_tokens": 4}
+    status, body = post(stack, "/v1/chat/completions", {**chat, "logprobs": True,
+                                                        "top_logprobs": 2})
+    assert status == 400 and body["error"]["param"] in ("logprobs", "top_logprobs")
+    status, body = post(stack, "/v1/chat/completions", {**chat, "n": 3})
+    assert status == 400 and body["error"]["param"] == "n"
+
+
+def test_body_over_the_limit_is_a_413_before_it_is_sent(stack):
+    from services.scheduler.rest_api import MAX_BODY_BYTES
+
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Authorization", f"Bearer {stack.api_key}")
+    conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+    conn.endheaders()  # the server answers from the headers alone
+    response = conn.getresponse()
+    body = json.loads(response.read())
+    conn.close()
+    assert response.status == 413 and "larger than" in body["error"]["message"]
+
+
+def test_openapi_schema_and_docs(stack):
+    with urllib.request.urlopen(base_url(stack) + "/openapi.json", timeout=30) as r:
+        schema = json.loads(r.read())
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+            "/metrics"} <= set(schema["paths"])
+    request = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "stop", "seed", "stream_options"} <= set(request)
+    with urllib.request.urlopen(base_url(stack) + "/docs", timeout=30) as r:
+        assert r.status == 200 and b"swagger" in r.read().lower()
+
+
+def test_latency_histograms_and_errors_by_status_are_exported(stack):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    post(stack, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+    post(stack, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 0})
+    with urllib.request.urlopen(base_url(stack) + "/metrics", timeout=30) as r:
+        samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}
+    tiny = ("model_name", "tiny")
+    assert value[("dspark:time_to_first_token_seconds_count", (tiny,))] >= 1
+    assert value[("dspark:inter_token_latency_seconds_count", (tiny,))] >= 1
+    assert value[("dspark:e2e_request_latency_seconds_count", (tiny,))] >= 1
+    refused = ("dspark:http_requests_total", (("handler", "/v1/completions"), ("method", "POST"),
+                                              tiny, ("status", "400")))
+    assert value[refused] >= 1

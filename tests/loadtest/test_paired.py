@@ -18,7 +18,7 @@ SCRIPT = REPO_ROOT / "bench" / "loadtest_paired.py"
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO_ROOT, text=True,
-                          capture_output=True, timeout=240,
+                          capture_output=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

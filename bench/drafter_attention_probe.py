@@ -25,7 +25,8 @@ from dspark.fetch import ensure_model
 from dspark.models.drafter import block_labels
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import load_drafter
-from dspark.training.trainer import Method, TrainConfig, Trainer, sample_anchors
+from dspark.training.batches import sample_anchors
+from dspark.training.trainer import Method, TrainConfig, Trainer
 
 
 def attention_recorder(records: list[torch.Tensor]):

@@ -82,6 +82,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         default=d["save_dtype"].default)
     parser.add_argument("--log-every", type=int, default=d["log_every"].default)
     parser.add_argument("--save-every", type=int, default=d["save_every"].default)
+    parser.add_argument("--eval-every", type=int, default=d["eval_every"].default,
+                        help="held-out acceptance (greedy and T=1) every this many steps into "
+                             "heldout_log.jsonl: the learning curve (0 = off)")
+    parser.add_argument("--eval-examples", type=int, default=d["eval_examples"].default,
+                        help="held-out answers the evaluation uses")
+    parser.add_argument("--eval-anchors", type=int, default=d["eval_anchors"].default,
+                        help="anchor blocks per held-out answer")
     parser.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
     parser.add_argument("--teacher-cache", action="store_true",
                         help="keep each example's teacher features in memory (bf16) after first use")
@@ -108,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         conf_weight=args.conf_weight, loss_decay=args.loss_decay,
         target_temperature=args.target_temperature, seed=args.seed, device=args.device,
         target_dtype=args.target_dtype, save_dtype=args.save_dtype, log_every=args.log_every,
-        save_every=args.save_every, resume=not args.no_resume, progress=not args.no_progress,
+        save_every=args.save_every, eval_every=args.eval_every,
+        eval_examples=args.eval_examples, eval_anchors=args.eval_anchors, resume=not args.no_resume, progress=not args.no_progress,
         teacher_cache=args.teacher_cache, teacher_cache_gb=args.teacher_cache_gb,
         split=None if args.split == "all" else args.split)
 

@@ -29,7 +29,6 @@ Glossary
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import math
 import os
@@ -38,15 +37,26 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from dspark.models.drafter import DSparkDrafter, block_labels, num_parameters
 from dspark.models.drafter_config import DrafterConfig, SequentialHead, spread_layer_ids
 from dspark.models.drafter_io import save_drafter
 from dspark.models.eagle import EagleDrafter, eagle_config
+from dspark.training.batches import (
+    Batch,
+    epoch_order,
+    make_batch,
+    pick_mask_token,
+    read_examples,
+    sample_anchors,
+    select_draft_vocab,
+)
+from dspark.training.heldout import HeldoutEvaluator
 from dspark.training.losses import LossConfig, LossTerms, drafter_losses
 from dspark.training.markov_init import init_markov_head_from_bigrams
 
@@ -136,6 +146,14 @@ class TrainConfig:
     """Keep each example's teacher outputs in memory (bfloat16) after its first use."""
     teacher_cache_gb: float = 8.0
     """Memory bound of the teacher cache."""
+    eval_every: int = 0
+    """Every this many steps (and at the last), the held-out acceptance (greedy and T=1,
+    teacher-forced, `dspark.training.heldout`) is appended to out_dir/heldout_log.jsonl with the
+    anchor-blocks seen so far: the learning curve. 0 = off."""
+    eval_examples: int = 64
+    """Held-out answers (split `heldout` of the data) the evaluation uses."""
+    eval_anchors: int = 64
+    """Anchor blocks per held-out answer."""
     split: str | None = "train"
     """Train on records whose `split` is this (records without one count as train); None = all.
     The `heldout` split calibrates the confidence head and must not be trained on."""
@@ -144,7 +162,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.method = Method(self.method)
         positive = ("num_layers", "num_context_layers", "gamma", "steps", "batch_size",
-                    "num_anchors", "max_seq_len", "log_every", "save_every")
+                    "num_anchors", "max_seq_len", "log_every", "save_every", "eval_examples",
+                    "eval_anchors")
         for name in positive:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -153,6 +172,8 @@ class TrainConfig:
         if not self.lr > 0 or not (0 <= self.min_lr_ratio <= 1) or self.warmup_steps < 0 \
                 or not self.output_norm_lr_scale > 0:
             raise ValueError("bad learning-rate schedule")
+        if self.eval_every < 0:
+            raise ValueError("eval_every must be >= 0")
         if self.target_temperature < 0:
             raise ValueError("target_temperature must be >= 0")
         if self.target_dtype not in ("float32", "bfloat16", "float16"):
@@ -191,127 +212,6 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------------
 # Data
 # ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Example:
-    prompt_ids: list[int]
-    answer_ids: list[int]
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, T] int64, right-padded
-    attention_mask: torch.Tensor  # [B, T] int64
-    answer_mask: torch.Tensor  # [B, T] bool
-    example_ids: list[int] = field(default_factory=list)  # [B] indices into the data set
-
-    @property
-    def lengths(self) -> list[int]:
-        return self.attention_mask.sum(dim=1).tolist()
-
-
-def read_examples(path: str | Path, split: str | None = "train") -> list[Example]:
-    """Examples with a non-empty answer from a (gzipped) jsonl, keeping only `split` (None = all).
-    `path` may name several files separated by commas: their examples in that order."""
-    if "," in str(path):
-        return [ex for part in str(path).split(",") if part.strip()
-                for ex in read_examples(part.strip(), split)]
-    examples = []
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        for line_no, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            obj = json.loads(line)
-            if "prompt_ids" not in obj or "answer_ids" not in obj:
-                raise ValueError(f"{path}:{line_no}: needs prompt_ids and answer_ids")
-            if split is not None and obj.get("split", "train") != split:
-                continue
-            if obj["answer_ids"]:
-                examples.append(Example([int(t) for t in obj["prompt_ids"]],
-                                        [int(t) for t in obj["answer_ids"]]))
-    if not examples:
-        raise ValueError(f"{path}: no examples with a non-empty answer in split {split!r}")
-    return examples
-
-
-def make_batch(examples: list[Example], max_seq_len: int, pad_id: int = 0,
-               example_ids: list[int] | None = None) -> Batch:
-    """Concatenate prompt + answer; when too long keep the answer (and the prompt's tail), then
-    cut the answer's end."""
-    seqs, answer_starts = [], []
-    for ex in examples:
-        keep_prompt = max(1, max_seq_len // 2, max_seq_len - len(ex.answer_ids))
-        prompt = ex.prompt_ids[-keep_prompt:] if ex.prompt_ids else []
-        seq = (prompt + ex.answer_ids)[:max_seq_len]
-        seqs.append(seq)
-        answer_starts.append(len(prompt))
-    T = max(len(s) for s in seqs)
-    B = len(seqs)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
-    attention_mask = torch.zeros(B, T, dtype=torch.int64)
-    answer_mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, (seq, start) in enumerate(zip(seqs, answer_starts)):
-        input_ids[b, : len(seq)] = torch.tensor(seq)
-        attention_mask[b, : len(seq)] = 1
-        answer_mask[b, start: len(seq)] = True
-    return Batch(input_ids, attention_mask, answer_mask, list(example_ids or []))
-
-
-def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
-    """A deterministic shuffle per (seed, epoch): resuming needs only (epoch, index)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_examples, generator=g).tolist()
-
-
-def token_counts(examples: list[Example], vocab_size: int, answers_only: bool = True) -> torch.Tensor:
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ex in examples:
-        ids = ex.answer_ids if answers_only else ex.prompt_ids + ex.answer_ids
-        counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def select_draft_vocab(examples: list[Example], vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent answer tokens (ties: lower id first), ascending ids [size]."""
-    counts = token_counts(examples, vocab_size)
-    # Stable sort by count descending keeps lower ids first among equal counts.
-    order = torch.sort(-counts, stable=True).indices[:size]
-    return torch.sort(order).values
-
-
-def pick_mask_token(examples: list[Example], vocab_size: int) -> int:
-    """The highest token id that never occurs in the data (prompt or answer)."""
-    counts = token_counts(examples, vocab_size, answers_only=False)
-    unused = torch.nonzero(counts == 0).flatten()
-    return int(unused[-1]) if unused.numel() else vocab_size - 1
-
-
-def sample_anchors(answer_mask: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random anchor positions: answer_mask [B, T] -> anchors [B, N], keep [B, N] bool.
-
-    An anchor a needs a and a+1 to be answer tokens; up to N distinct anchors per sequence,
-    sorted; missing ones are padded (keep False, position of the first candidate or 0).
-    """
-    B, T = answer_mask.shape
-    valid = answer_mask[:, :-1] & answer_mask[:, 1:]  # [B, T-1]
-    scores = torch.rand(B, T - 1, generator=generator)
-    scores = torch.where(valid, scores, torch.full_like(scores, 2.0))
-    n = min(num_anchors, T - 1)
-    chosen = torch.sort(scores, dim=1).indices[:, :n]  # [B, n]
-    keep = valid.gather(1, chosen)
-    anchors = torch.where(keep, chosen, torch.zeros_like(chosen))
-    anchors, order = torch.sort(torch.where(keep, anchors, torch.full_like(anchors, T)), dim=1)
-    keep = keep.gather(1, order)
-    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
-    if n < num_anchors:
-        pad = num_anchors - n
-        anchors = torch.cat([anchors, anchors.new_zeros(B, pad)], dim=1)
-        keep = torch.cat([keep, keep.new_zeros(B, pad)], dim=1)
-    return anchors, keep
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,6 +346,7 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoint"
         self.log_path = self.out_dir / "train_log.jsonl"
+        self.heldout_log_path = self.out_dir / "heldout_log.jsonl"
         self.examples = read_examples(cfg.data_path, cfg.split)
         dtype = getattr(torch, cfg.target_dtype)
         target = target if target is not None else TargetTeacher.load(cfg.target_dir, self.device, dtype)
@@ -499,6 +400,11 @@ class Trainer:
         self._teacher_cache_bytes = 0
         if cfg.resume and (self.ckpt_dir / "trainer_state.pt").exists():
             self._load_checkpoint()
+        self.heldout = None
+        if cfg.eval_every:
+            self.heldout = HeldoutEvaluator(
+                read_examples(cfg.data_path, "heldout")[:cfg.eval_examples], self.teacher,
+                cfg.gamma, cfg.eval_anchors, cfg.max_seq_len, self.draft_ids, self.device)
 
     def _read_source_drafter(self, folder: str | None):
         """The drafter that `init_from_drafter` names, loaded on the CPU (None when unset)."""
@@ -562,11 +468,14 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------------
 
     def compute_losses(self, batch: Batch) -> LossTerms:
-        """Teacher forward, anchors, drafter forward, losses (no optimizer step)."""
+        """Teacher forward, anchors, drafter forward, losses (no optimizer step). Each part runs
+        under a profiler label (`train::teacher`, `train::target_probs`, `train::drafter_forward`,
+        `train::losses`; bench/train_step.py sums them)."""
         cfg, gamma = self.cfg, self.cfg.gamma
         input_ids = batch.input_ids.to(self.device)
         answer_mask = batch.answer_mask.to(self.device)
-        features, final_hidden = self.teacher_outputs(batch)
+        with record_function("train::teacher"):
+            features, final_hidden = self.teacher_outputs(batch)
         anchors, keep = sample_anchors(batch.answer_mask, cfg.num_anchors, self.anchor_rng)
         anchors, keep = anchors.to(self.device), keep.to(self.device)
         labels, valid = block_labels(input_ids, anchors, answer_mask, gamma)  # [B, N, gamma]
@@ -575,28 +484,49 @@ class Trainer:
         # p^t_k is the target's distribution at position a+k-1 (k = 1..gamma).
         pos = (anchors.unsqueeze(-1) + torch.arange(gamma, device=self.device)).clamp(
             max=input_ids.shape[1] - 1)  # [B, N, gamma]
-        rows = final_hidden.gather(1, pos.view(B, -1, 1).expand(-1, -1, final_hidden.shape[-1]))
-        p_t = self.teacher.probs(rows.view(B, N, gamma, -1), cfg.target_temperature)  # [B,N,g,V]
+        with record_function("train::target_probs"):
+            p_t, outside = self.target_probs(final_hidden, pos)  # [B, N, gamma, V or V_d]
+        target_ids = labels if self.draft_ids is None else self.model.target_to_draft[labels]
+        with record_function("train::drafter_forward"):
+            out = self.model.forward_train(input_ids, features, anchors, labels)
+        with record_function("train::losses"):
+            return drafter_losses(out.draft_logits, p_t, target_ids, valid, out.confidence_logits,
+                                  self.loss_config, outside)
+
+    def target_probs(self, final_hidden: torch.Tensor, pos: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """p^t at the positions `pos` [B, N, gamma] of final_hidden [B, T, hidden]:
+        -> p_t [B, N, gamma, V] float32, or with a draft vocabulary p_t on it [B, N, gamma, V_d]
+        and the target mass outside it [B, N, gamma] (else None).
+
+        Anchor blocks overlap (a block covers a..a+gamma-1, and anchors are often closer than
+        gamma), so the vocabulary-sized product runs once per distinct (sequence, position) and
+        the rows are then gathered for every block that covers it: at most min(N * gamma, T)
+        rows a sequence instead of N * gamma."""
+        B, N, gamma = pos.shape
+        T, hidden = final_hidden.shape[1], final_hidden.shape[-1]
+        flat = (torch.arange(B, device=pos.device).view(B, 1, 1) * T + pos).view(-1)  # [B*N*gamma]
+        distinct, inverse = torch.unique(flat, return_inverse=True)  # [R], [B*N*gamma]
+        rows = final_hidden.reshape(B * T, hidden)[distinct]  # [R, hidden]
+        p_rows = self.teacher.probs(rows, self.cfg.target_temperature)  # [R, V]
         outside = None
-        target_ids = labels
         if self.draft_ids is not None:
-            ids = self.draft_ids.to(self.device)
-            p_t = p_t[..., ids]
-            outside = (1.0 - p_t.sum(-1)).clamp_min(0.0)
-            target_ids = self.model.target_to_draft[labels]
-        out = self.model.forward_train(input_ids, features, anchors, labels)
-        return drafter_losses(out.draft_logits, p_t, target_ids, valid, out.confidence_logits,
-                              self.loss_config, outside)
+            p_rows = p_rows[:, self.draft_ids.to(self.device)]  # [R, V_d]
+            outside = (1.0 - p_rows.sum(-1)).clamp_min(0.0)[inverse].view(B, N, gamma)
+        return p_rows[inverse].view(B, N, gamma, -1), outside
 
     def train_step(self) -> tuple[LossTerms, float]:
         self.model.train()
         batch = self._next_batch()
         terms = self.compute_losses(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        terms.total.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
-        self.optimizer.step()
-        self.scheduler.step()
+        with record_function("train::backward"):
+            terms.total.backward()
+        with record_function("train::optimizer"):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                             self.cfg.grad_clip))
+            self.optimizer.step()
+            self.scheduler.step()
         self.step += 1
         return terms, grad_norm
 
@@ -614,6 +544,8 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, dynamic_ncols=True,
                    desc=f"train {cfg.method.value}")
         start = time.perf_counter()
+        if self.heldout is not None and not self._heldout_logged_at(self.step):
+            self.log_heldout()  # the curve's first point: the drafter it starts from
         with open(self.log_path, "a") as log:
             while self.step < cfg.steps:
                 terms, grad_norm = self.train_step()
@@ -625,11 +557,31 @@ class Trainer:
                               "elapsed_s": round(time.perf_counter() - start, 2), **terms.as_dict()}
                     log.write(json.dumps(record) + "\n")
                     log.flush()
+                if self.heldout is not None and (self.step % cfg.eval_every == 0
+                                                 or self.step == cfg.steps):
+                    self.log_heldout()
                 if self.step % cfg.save_every == 0 or self.step == cfg.steps:
                     self.save_checkpoint()
         bar.close()
         save_drafter(self.model, self.out_dir, dtype=getattr(torch, cfg.save_dtype))
         return self.out_dir
+
+    def log_heldout(self) -> dict[str, Any]:
+        """Append the held-out acceptance now to heldout_log.jsonl (one learning-curve point)."""
+        record = {"step": self.step,
+                  "anchor_blocks_seen": self.step * self.cfg.batch_size * self.cfg.num_anchors,
+                  "sequences_seen": self.step * self.cfg.batch_size,
+                  "train_sequences": len(self.examples),
+                  "train_answer_tokens": sum(len(ex.answer_ids) for ex in self.examples),
+                  **self.heldout.evaluate(self.model)}
+        with open(self.heldout_log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
+
+    def _heldout_logged_at(self, step: int) -> bool:
+        return self.heldout_log_path.exists() and any(
+            json.loads(ln)["step"] == step
+            for ln in self.heldout_log_path.read_text().splitlines() if ln.strip())
 
     def parameter_count(self) -> int:
         return num_parameters(self.model)
@@ -678,18 +630,13 @@ class Trainer:
 
     def _trim_log(self) -> None:
         """Drop log lines past the resumed step (written after the last checkpoint)."""
-        if not self.log_path.exists():
-            return
-        lines = [ln for ln in self.log_path.read_text().splitlines()
-                 if ln.strip() and json.loads(ln)["step"] <= self.step]
-        self.log_path.write_text("".join(ln + "\n" for ln in lines))
+        for path in (self.log_path, self.heldout_log_path):
+            if not path.exists():
+                continue
+            lines = [ln for ln in path.read_text().splitlines()
+                     if ln.strip() and json.loads(ln)["step"] <= self.step]
+            path.write_text("".join(ln + "\n" for ln in lines))
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
-
-
-def iterate_batches(examples: list[Example], batch_size: int, max_seq_len: int) -> Iterator[Batch]:
-    """In-order batches (for evaluation helpers)."""
-    for i in range(0, len(examples), batch_size):
-        yield make_batch(examples[i: i + batch_size], max_seq_len)

@@ -16,50 +16,23 @@ from dspark.models.drafter_io import load_drafter
 from dspark.models.eagle import EagleDrafter
 from dspark.sampling import SamplingParams
 from dspark.training import train_cli
+from dspark.training.batches import (
+    Example,
+    make_batch,
+    read_examples,
+    sample_anchors,
+    select_draft_vocab,
+)
 from dspark.training.trainer import (
     BIGRAM_START_BACKBONE_SCALE,
     Method,
     TrainConfig,
     Trainer,
     lr_lambda,
-    make_batch,
-    read_examples,
     read_log,
-    sample_anchors,
-    select_draft_vocab,
-    Example,
 )
 
 VOCAB = 64
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, rms_norm_eps=1e-6,
-                      initializer_range=0.2)  # peaked p^t: acceptance starts low and can improve
-    folder = tmp_path_factory.mktemp("target")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def data_path(tmp_path_factory):
-    """A repetitive toy set: short random prompts, answers cycling through a fixed pattern."""
-    rng = random.Random(0)
-    pattern = [10, 11, 12, 13, 14, 15]
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    with open(path, "w") as f:
-        for _ in range(40):
-            prompt = [rng.randrange(20, 40) for _ in range(rng.randrange(3, 7))]
-            start = rng.randrange(len(pattern))
-            answer = [pattern[(start + i) % len(pattern)] for i in range(rng.randrange(24, 40))]
-            f.write(json.dumps({"prompt_ids": prompt, "answer_ids": answer}) + "\n")
-    return str(path)
 
 
 def config(target_dir, data_path, out_dir, **kw) -> TrainConfig:
@@ -328,3 +301,28 @@ def test_continuing_on_other_data_keeps_the_draft_vocabulary_and_mask_token(
     reloaded = load_drafter(tmp_path / "c", again.teacher.embed_weight.float(),
                             again.teacher.lm_head_weight.float())
     assert torch.equal(reloaded.draft_to_target, first.draft_ids)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 16])
+def test_target_probs_once_per_position_equal_per_block(target_dir, data_path, tmp_path, draft_vocab):
+    """p^t computed once per distinct position, gathered for every block that covers it, equals
+    the vocabulary-sized product run for every (block, k) on its own."""
+    trainer = Trainer(config(target_dir, data_path, tmp_path, num_anchors=12,
+                             draft_vocab_size=draft_vocab))
+    batch = trainer._next_batch()
+    _, final_hidden = trainer.teacher_outputs(batch)
+    anchors, _ = sample_anchors(batch.answer_mask, 12, torch.Generator().manual_seed(3))
+    gamma = trainer.cfg.gamma
+    pos = (anchors.unsqueeze(-1) + torch.arange(gamma)).clamp(max=batch.input_ids.shape[1] - 1)
+    p_t, outside = trainer.target_probs(final_hidden, pos)
+    B, N = anchors.shape
+    rows = final_hidden.gather(1, pos.view(B, -1, 1).expand(-1, -1, final_hidden.shape[-1]))
+    reference = trainer.teacher.probs(rows.view(B, N, gamma, -1), trainer.cfg.target_temperature)
+    if draft_vocab is None:
+        assert outside is None
+    else:
+        kept = reference[..., trainer.draft_ids]
+        torch.testing.assert_close(outside, (1.0 - kept.sum(-1)).clamp_min(0.0))
+        reference = kept
+    assert p_t.shape == (B, N, gamma, reference.shape[-1])
+    torch.testing.assert_close(p_t, reference)

@@ -37,6 +37,16 @@ def compose_services() -> dict:
     return yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
 
 
+def merged_services(override: str) -> dict:
+    """The services of docker-compose.yml with `override` layered over it, as docker-compose
+    merges them (`docker-compose config`)."""
+    done = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f", override, "config"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "TORCH_INDEX_URL": "https://example.org"})
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)["services"]
+
+
 def test_keys_on_and_nothing_as_root_by_default():
     services = compose_services()
     assert "DSPARK_API_KEYS" in services["secrets"]["environment"]
@@ -76,12 +86,7 @@ def test_internal_services_get_the_internal_token_file():
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 def test_hostnet_override_is_valid_and_keeps_to_loopback():
-    done = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f",
-                           "deploy/docker-compose.hostnet.yml", "config"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr
-    services = yaml.safe_load(done.stdout)["services"]
+    services = merged_services("deploy/docker-compose.hostnet.yml")
     assert all(s.get("network_mode") == "host" for s in services.values())
     assert services["scheduler"]["environment"]["DSPARK_SCHEDULER_HOST"] == "127.0.0.1"
     assert "127.0.0.1" in services["redis"]["command"]
@@ -89,13 +94,8 @@ def test_hostnet_override_is_valid_and_keeps_to_loopback():
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
-def test_gpu_override_is_valid_and_keeps_the_internal_token():
-    done = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f",
-                           "deploy/docker-compose.gpu.yml", "config"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "TORCH_INDEX_URL": "https://example.org"})
-    assert done.returncode == 0, done.stderr
-    services = yaml.safe_load(done.stdout)["services"]
+def test_gpu_override_keeps_the_internal_token():
+    services = merged_services("deploy/docker-compose.gpu.yml")
     assert services["verifier"]["environment"]["DSPARK_VERIFIER_DEVICE"] == "cuda"
     assert_internal_token_file_everywhere(services)
 

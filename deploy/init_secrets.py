@@ -5,6 +5,9 @@
   (comma-separated) when set; else kept from an earlier start; else one key is generated and
   printed once (`docker compose logs secrets` shows it while that container exists).
 - `redis_password` and `redis.conf` (`requirepass`): generated on the first start, kept after.
+- `internal_token`: the shared secret the scheduler sends to the verifier and the drafter
+  (metadata x-dspark-internal-token; the three read it through
+  DSPARK_<SERVICE>_INTERNAL_TOKEN_FILE). Generated on the first start, kept after.
 
 Files are mode 0600, owned by the image's user (uid 10001, shared with the Redis image).
 """
@@ -50,6 +53,12 @@ def ensure_redis_password(folder: Path) -> None:
     write_private(folder / "redis.conf", f"requirepass {password}\n")
 
 
+def ensure_internal_token(folder: Path) -> None:
+    path = folder / "internal_token"
+    if not (path.is_file() and path.read_text().strip()):
+        write_private(path, secrets.token_urlsafe(32) + "\n")
+
+
 def main() -> int:
     folder = Path(os.environ.get("DSPARK_SECRETS_DIR", "/run/dspark-secrets"))
     if not folder.is_dir():
@@ -57,6 +66,7 @@ def main() -> int:
         return 1
     print(ensure_api_keys(folder, os.environ.get("DSPARK_API_KEYS", "")))
     ensure_redis_password(folder)
+    ensure_internal_token(folder)
     return 0
 
 

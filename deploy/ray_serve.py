@@ -23,6 +23,11 @@ cell shares one GPU; 0 on a CPU-only cluster) and then run on `cuda`. A cell is 
 through Ray's per-node resource `node:<ip>`; cells are spread round-robin over the nodes that have
 GPUs (every alive node when no GPU is asked for). Nothing of a cell listens beyond loopback: the
 ingress reaches a cell through Ray, the scheduler its verifier and drafter over 127.0.0.1.
+
+Internal token: each deployment of the application generates one (Python's `secrets`) and hands it
+to every cell's verifier, drafter and scheduler in their configs (through Ray, not the command
+line or the environment), so the verifier and the drafter take calls from their scheduler only
+(metadata x-dspark-internal-token), not from other processes on the node.
 Multi-node set-up: deploy/README.md.
 """
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,25 +115,29 @@ class RayServeConfig:
         drafter = self.drafter_gpus if self.drafter_gpus >= 0 else verifier
         return verifier, drafter
 
-    def cell_configs(self, verifier_gpus: float = 0.0, drafter_gpus: float = 0.0
+    def cell_configs(self, verifier_gpus: float = 0.0, drafter_gpus: float = 0.0,
+                     internal_token: str = ""
                      ) -> tuple[VerifierServiceConfig, DrafterServiceConfig, SchedulerConfig]:
         """The three services' configs of one cell; ports 0 = any free one on loopback (the
-        scheduler's verifier and drafter addresses are filled in by its replica)."""
+        scheduler's verifier and drafter addresses are filled in by its replica).
+        `internal_token`: what the verifier and the drafter demand and the scheduler sends."""
         drafter_dir = "" if self.drafter_dir == "none" else self.drafter_dir
         verifier = VerifierServiceConfig(
             host="127.0.0.1", port=0, model_dir=self.model_dir, drafter_dir=drafter_dir,
             hidden_layer_ids="none" if self.drafter_dir == "none" else "", dtype=self.dtype,
             device="cuda" if verifier_gpus > 0 else "cpu", kv_cache_tokens=self.kv_cache_tokens,
             max_context_tokens=self.max_context_tokens, cost_table=self.cost_table,
-            threads=self.threads)
+            threads=self.threads, internal_token=internal_token)
         drafter = DrafterServiceConfig(
             host="127.0.0.1", port=0, model_dir=self.model_dir, drafter_dir=drafter_dir,
-            dtype=self.dtype, device="cuda" if drafter_gpus > 0 else "cpu", threads=self.threads)
+            dtype=self.dtype, device="cuda" if drafter_gpus > 0 else "cpu", threads=self.threads,
+            internal_token=internal_token)
         scheduler = SchedulerConfig(
             host="127.0.0.1", http_port=0, grpc_port=0, model_dir=self.model_dir,
             model_name=self.model_name, policy=self.policy, max_running=self.max_running,
             max_tokens_limit=self.max_tokens_limit, update_cost_table=self.update_cost_table,
-            api_keys=self.api_keys, redis_url=self.redis_url, drafter="")
+            api_keys=self.api_keys, redis_url=self.redis_url, drafter="",
+            internal_token=internal_token)
         return verifier, drafter, scheduler
 
     @property
@@ -381,6 +391,11 @@ def cell_nodes(cells: int, need_gpu: bool) -> list[str]:
     return [ips[i % len(ips)] for i in range(cells)]
 
 
+def new_internal_token() -> str:
+    """A fresh internal token for one deployment of the application."""
+    return secrets.token_urlsafe(32)
+
+
 def build_app(config: RayServeConfig):
     """The application graph: `cells` x (verifier, drafter, scheduler) and the ingress over them.
     Needs a connected Ray (to see its nodes and GPUs)."""
@@ -397,7 +412,8 @@ def build_app(config: RayServeConfig):
             f"{k} {want:g} needed, {have:g} there" for k, (want, have) in short.items())
             + " (fewer --cells, smaller --service-cpus / --verifier-gpus / --drafter-gpus, or "
               "more nodes)")
-    verifier_cfg, drafter_cfg, scheduler_cfg = config.cell_configs(verifier_gpus, drafter_gpus)
+    verifier_cfg, drafter_cfg, scheduler_cfg = config.cell_configs(
+        verifier_gpus, drafter_gpus, internal_token=new_internal_token())
     nodes = cell_nodes(config.cells, verifier_gpus > 0 or drafter_gpus > 0)
     schedulers = []
     for i, ip in enumerate(nodes):

@@ -115,6 +115,11 @@ class TargetVerifier:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of the target's KV cache blocks in use (0..1)."""
+        return self.runner.cache.manager.usage
+
     def _flat_features(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
         # [n, num_layers, hidden_size] -> [n, num_layers * hidden_size]
         return None if hidden is None else hidden.reshape(hidden.shape[0], -1)

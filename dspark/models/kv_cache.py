@@ -62,6 +62,12 @@ class BlockManager:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def usage(self) -> float:
+        """The fraction of blocks that hold some request's tokens (0..1; vLLM's
+        kv_cache_usage_perc)."""
+        return (self.num_blocks - self._num_free) / self.num_blocks
+
     def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self._tables
 

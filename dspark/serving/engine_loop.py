@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from dspark.engine import Engine, Request, RequestMetrics, RoundRecord
+from dspark.models.kv_cache import KVCacheFull
 from dspark.sampling import SamplingParams
 from dspark.serving.metrics import SchedulerMetrics
+from dspark.serving.remote_verifier import VerifierKVCacheFull
 from dspark.serving.store import RequestStore, RoundUpdate, StoredRequest
 
 # Save the (live-refreshed) cost table to the store every this many rounds.
@@ -208,7 +210,10 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception as e:  # a service failed past its retries: fail, never hang
                 self.logger.exception("round failed; failing its requests")
+                if isinstance(e, (KVCacheFull, VerifierKVCacheFull)):
+                    self.metrics.record_refused("kv_cache_full", len(self._live))
                 self._fail_all(f"{type(e).__name__}: {e}")
+                self._record_kv_cache_usage()
                 return
             step_seconds = time.perf_counter() - step_start
             verified = stats.rounds > rounds_before
@@ -238,6 +243,7 @@ class EngineLoop:
             sum(len(o.new_token_ids) for o in outputs), batch_tokens,
             stats.verify_seconds - verify_before if verified else None, capacity,
             len(self.engine.running), self.queue_depth(), cohort=self.cohort)
+        self._record_kv_cache_usage()
         if verified and stats.rounds % COST_TABLE_SAVE_ROUNDS == 0:
             self._save_cost_table()
 
@@ -292,6 +298,12 @@ class EngineLoop:
             self.logger.warning("store unreachable while ending %s: %s", rid, e)
         live.events.put(StreamEvent([], True, reason, copy.deepcopy(live.request.metrics), error))
         self._close(rid, reason)
+        self._record_kv_cache_usage()
+
+    def _record_kv_cache_usage(self) -> None:
+        """The verifier's KV cache usage after this loop's last call to it (a remote verifier
+        reports it with every reply; the embedded one reads its block manager)."""
+        self.metrics.set_kv_cache_usage(self.engine.verifier.kv_cache_usage)
 
     def _fail_all(self, error: str) -> None:
         for rid in list(self._live):

@@ -3,10 +3,12 @@
 vLLM exports `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
 `..._num_accepted_tokens_per_pos`, `vllm:time_to_first_token_seconds`,
 `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`,
-`vllm:num_requests_running` / `_waiting`; we export the same under `dspark:` plus what confidence
+`vllm:num_requests_running` / `_waiting`, `vllm:kv_cache_usage_perc`; we export the same under
+`dspark:` plus what confidence
 scheduling adds (verified tokens per position, batch tokens per round, chosen capacity K, mean
 verification length, SPS, drafter availability, engine time by stage, from which the dashboard
-takes the drafter's share of round time). Counters end in `_total` (prometheus_client appends it).
+takes the drafter's share of round time) and requests refused by reason. Counters end in `_total`
+(prometheus_client appends it).
 
 Each SchedulerMetrics owns its CollectorRegistry (several schedulers or tests in one process do
 not collide); `/metrics` renders it with `prometheus_client.generate_latest`, and the
@@ -28,6 +30,11 @@ ROUND_STAGES = ("prefill", "draft", "admission", "verify", "verify_call", "other
 """Stages of `dspark:round_seconds_total` (the engine's EngineStats, plus the rest of each step)."""
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Reasons `dspark:request_success_total` is initialised with (0 until one happens)."""
+REFUSAL_REASONS = ("queue_full", "kv_cache_full")
+"""Reasons of `dspark:num_requests_refused_total`: queue_full = the waiting queue was at
+max_waiting (HTTP 429 / RESOURCE_EXHAUSTED before the request started); kv_cache_full = the
+verifier's KV cache could not hold a round's tokens, which ends that round's requests with
+finish_reason "error"."""
 
 # vLLM's bucket edges, so percentiles from both servers are comparable on one dashboard.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -67,6 +74,14 @@ class SchedulerMetrics:
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued (queue depth).")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc",
+            "Fraction of the verifier's KV cache blocks in use (0..1; 1 = full).")
+        self.num_requests_refused = counter("num_requests_refused",
+                                            "Requests refused or failed for lack of capacity, "
+                                            "by reason.", "reason")
+        for reason in REFUSAL_REASONS:
+            self.num_requests_refused.labels(model_name, reason)
         self.request_success = counter("request_success", "Finished requests by reason.",
                                        "finished_reason")
         for reason in FINISH_REASONS:
@@ -153,6 +168,13 @@ class SchedulerMetrics:
             self.target_steps_per_second.set(1.0 / step_seconds)
         if capacity is not None:
             self.capacity_k.set(capacity)
+
+    def set_kv_cache_usage(self, usage: float) -> None:
+        self.kv_cache_usage_perc.set(usage)
+
+    def record_refused(self, reason: str, num_requests: int = 1) -> None:
+        """`reason` from REFUSAL_REASONS."""
+        self.num_requests_refused.labels(self.model_name, reason).inc(num_requests)
 
     def record_stage_seconds(self, seconds: dict[str, float], skipped_draft_rounds: int = 0) -> None:
         """One engine step's time by stage (keys from ROUND_STAGES) and its skipped drafting rounds."""

@@ -1,4 +1,5 @@
-"""RemoteVerifier: the TargetVerifier interface (prefill, verify, release, vocab_size) over gRPC.
+"""RemoteVerifier: the TargetVerifier interface (prefill, verify, release, vocab_size,
+kv_cache_usage) over gRPC.
 
 The engine cannot tell it from the in-process TargetVerifier. It also keeps, per live request,
 the prompt and every token produced so far, which is what a restarted verifier needs: when a call
@@ -40,6 +41,11 @@ class VerifierRejected(ValueError):
     """The verifier refused a call as invalid (INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
 
 
+class VerifierKVCacheFull(VerifierRejected):
+    """The verifier's KV cache could not hold the call's tokens (RESOURCE_EXHAUSTED); nothing
+    changed there (the remote side of dspark.models.kv_cache.KVCacheFull)."""
+
+
 @dataclass
 class _History:
     prompt_ids: list[int]
@@ -65,6 +71,8 @@ class RemoteVerifier:
         self.kv_cache_tokens = int(info.kv_cache_tokens)
         """All requests' KV capacity in the verifier (0 from a verifier that does not say)."""
         self.kv_block_size = max(1, int(info.kv_block_size))
+        self.kv_cache_usage = float(info.kv_cache_usage)
+        """The fraction of the verifier's KV cache blocks in use, as its last reply said."""
         self.name = info.name
         self._history: dict[str, _History] = {}
         self._held_from: dict[str, int] = {}
@@ -81,6 +89,7 @@ class RemoteVerifier:
                                     sampling=messages.sampling_to_pb(s))
             for rid, p, s in zip(ids, prompts, sampling)])
         reply = self._call(self._stub.Prefill, request, restore_ids=[])
+        self.kv_cache_usage = reply.kv_cache_usage
         first = [int(r.first_token) for r in reply.results]
         for rid, p, s, t in zip(ids, prompts, sampling, first):
             self._history[rid] = _History(list(p), s, [t])
@@ -106,6 +115,7 @@ class RemoteVerifier:
         reply = self._call(self._stub.Verify,
                            pb.verifier.VerifyBatchRequest(items=items, prefill=chunks),
                            restore_ids=ids + continued)
+        self.kv_cache_usage = reply.kv_cache_usage
         self._remember_held(requests, prefill)
         outputs = [list(r.output_tokens) for r in reply.results]
         for rid, tokens in zip(ids, outputs):
@@ -172,8 +182,9 @@ class RemoteVerifier:
         self._history.pop(rid, None)
         self._held_from.pop(rid, None)
         try:
-            self._stub.Release(pb.verifier.ReleaseRequest(request_ids=[rid]), timeout=5.0,
-                               metadata=outgoing_metadata())
+            reply = self._stub.Release(pb.verifier.ReleaseRequest(request_ids=[rid]), timeout=5.0,
+                                       metadata=outgoing_metadata())
+            self.kv_cache_usage = reply.kv_cache_usage
         except grpc.RpcError:
             pass  # a verifier that is down holds nothing; a restarted one never saw the request
 
@@ -196,7 +207,9 @@ class RemoteVerifier:
                               timeout=max(1.0, deadline - time.monotonic()))
             except grpc.RpcError as e:
                 code = e.code()
-                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise VerifierKVCacheFull(e.details()) from e
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise VerifierRejected(e.details()) from e
                 if code not in _RESTORABLE or time.monotonic() >= deadline:
                     raise
@@ -218,8 +231,9 @@ class RemoteVerifier:
                                                  prompt_ids=h.prompt_ids + h.produced[:-1],
                                                  sampling=messages.sampling_to_pb(h.sampling),
                                                  held_from=self._held_from.get(rid)))
-        self._stub.Prefill(pb.verifier.PrefillRequest(items=items, restore=True),
-                           metadata=outgoing_metadata(), wait_for_ready=True,
-                           timeout=max(1.0, deadline - time.monotonic()))
+        reply = self._stub.Prefill(pb.verifier.PrefillRequest(items=items, restore=True),
+                                   metadata=outgoing_metadata(), wait_for_ready=True,
+                                   timeout=max(1.0, deadline - time.monotonic()))
+        self.kv_cache_usage = reply.kv_cache_usage
         if self.on_restore is not None:
             self.on_restore(live)

@@ -322,6 +322,8 @@ class Gateway:
         after its 200."""
         waiting = self.loop.queue_depth()
         if waiting >= self.max_waiting:
+            if self.metrics is not None:
+                self.metrics.record_refused("queue_full")
             raise Overloaded(f"the server is at capacity ({waiting} requests waiting); retry "
                              f"after {RETRY_AFTER_SECONDS} s")
         if submission.stored is not None:

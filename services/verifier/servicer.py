@@ -70,13 +70,15 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         runner = self.verifier.runner
         with self._lock:
             held = sorted(self._generators)
+            usage = self.verifier.kv_cache_usage
         return pb.verifier.VerifierInfo(vocab_size=self.verifier.vocab_size,
                                         hidden_layer_ids=list(runner.config.hidden_layer_ids),
                                         name=self.name,
                                         max_context_tokens=self.limits.max_context_tokens,
                                         active_requests=held,
                                         kv_cache_tokens=runner.cache.manager.capacity_tokens,
-                                        kv_block_size=runner.cache.manager.block_size)
+                                        kv_block_size=runner.cache.manager.block_size,
+                                        kv_cache_usage=usage)
 
     def Prefill(self, request, context):
         with self._span("verifier.prefill", context) as span:
@@ -103,10 +105,11 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                         self.verifier.stash.hold(rid, FeaturePiece(
                             f[start:], torch.arange(start, len(prompt)),
                             torch.tensor(prompt[start:], dtype=torch.int64)))
+                usage = self.verifier.kv_cache_usage
             results = [pb.verifier.PrefillResult(
                 first_token=int(t), features=pb.common.Tensor() if request.restore
                 else tensor_codec.encode(f)) for t, f in zip(out.first_tokens, out.features)]
-            return pb.verifier.PrefillReply(results=results)
+            return pb.verifier.PrefillReply(results=results, kv_cache_usage=usage)
 
     def _check_prefill(self, request):
         self._check_prompts(request.items)
@@ -167,6 +170,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     self._abort_on(context, e)
                 for rid in [*held, *(it.request_id for it in request.prefill)]:
                     self._idle.touch(rid)
+                usage = self.verifier.kv_cache_usage
             span.set_attribute("dspark.batch_tokens", out.batch_tokens)
             span.set_attribute("dspark.prefill_tokens", out.prefill_tokens)
             span.set_attribute("dspark.num_accepted", list(out.num_accepted))
@@ -180,7 +184,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
             return pb.verifier.VerifyBatchReply(results=results, batch_tokens=out.batch_tokens,
                                                 step_seconds=out.step_seconds,
                                                 prefill_results=prefill,
-                                                prefill_tokens=out.prefill_tokens)
+                                                prefill_tokens=out.prefill_tokens,
+                                                kv_cache_usage=usage)
 
     def _prefill_chunk(self, item) -> PrefillChunk:
         params = messages.sampling_from_pb(item.sampling)
@@ -232,7 +237,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         with self._lock:
             for rid in request.request_ids:
                 self._release_locked(rid)
-        return pb.verifier.ReleaseReply()
+            usage = self.verifier.kv_cache_usage
+        return pb.verifier.ReleaseReply(kv_cache_usage=usage)
 
     def GetCostTable(self, request, context):
         t = self.cost_table

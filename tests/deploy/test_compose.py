@@ -6,8 +6,8 @@ DSPARK_TEST_COMPOSE=1 asks for it, a Docker daemon answers and docker-compose is
 (`DSPARK_TEST_COMPOSE=1 bash .ci/run` installs them and starts dockerd); skipped with the reason
 otherwise.
 
-Also: the compose files are valid for docker-compose, keys are on by default, and nothing runs
-as root (static checks, no daemon needed)."""
+Also: the compose files are valid for docker-compose, keys are on by default, every internal
+service gets the internal token file, and nothing runs as root (static checks, no daemon needed)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def compose_services() -> dict:
     return yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
 
 
+def merged_services(override: str) -> dict:
+    """The services of docker-compose.yml with `override` layered over it, as docker-compose
+    merges them (`docker-compose config`)."""
+    done = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f", override, "config"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "TORCH_INDEX_URL": "https://example.org"})
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)["services"]
+
+
 def test_keys_on_and_nothing_as_root_by_default():
     services = compose_services()
     assert "DSPARK_API_KEYS" in services["secrets"]["environment"]
@@ -53,17 +63,41 @@ def test_keys_on_and_nothing_as_root_by_default():
     assert [line for line in redis_dockerfile if line.startswith("USER ")][-1] == "USER 10001:10001"
 
 
+INTERNAL_SERVICES = ("verifier", "drafter", "scheduler")
+TOKEN_FILE = "/run/dspark-secrets/internal_token"  # deploy/init_secrets.py writes it
+
+
+def assert_internal_token_file_everywhere(services: dict) -> None:
+    """Every internal service reads the token file from the secrets volume, mounted read-only."""
+    for name in INTERNAL_SERVICES:
+        environment = services[name]["environment"]
+        assert environment[f"DSPARK_{name.upper()}_INTERNAL_TOKEN_FILE"] == TOKEN_FILE, name
+        assert not any("INTERNAL_TOKEN=" in str(v) for v in environment), name
+        mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in
+                  services[name]["volumes"]]
+        assert any(m.startswith("dspark-secrets:/run/dspark-secrets:ro") for m in mounts), name
+    assert any(v.startswith("dspark-secrets:/run/dspark-secrets") and not v.endswith(":ro")
+               for v in services["secrets"]["volumes"])  # where the token is written
+
+
+def test_internal_services_get_the_internal_token_file():
+    assert_internal_token_file_everywhere(compose_services())
+
+
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 def test_hostnet_override_is_valid_and_keeps_to_loopback():
-    done = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f",
-                           "deploy/docker-compose.hostnet.yml", "config"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr
-    services = yaml.safe_load(done.stdout)["services"]
+    services = merged_services("deploy/docker-compose.hostnet.yml")
     assert all(s.get("network_mode") == "host" for s in services.values())
     assert services["scheduler"]["environment"]["DSPARK_SCHEDULER_HOST"] == "127.0.0.1"
     assert "127.0.0.1" in services["redis"]["command"]
+    assert_internal_token_file_everywhere(services)
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_gpu_override_keeps_the_internal_token():
+    services = merged_services("deploy/docker-compose.gpu.yml")
+    assert services["verifier"]["environment"]["DSPARK_VERIFIER_DEVICE"] == "cuda"
+    assert_internal_token_file_everywhere(services)
 
 
 @pytest.mark.skipif(os.environ.get("DSPARK_TEST_COMPOSE") != "1",

@@ -1,7 +1,9 @@
 """deploy/ray_serve.py on a local Ray (2 CPUs, no dashboard, token auth as Ray 2.5x+ sets up for a
 new local cluster): two cells of the tiny stack (real verifier, drafter and scheduler replicas),
 concurrent greedy requests through the Ray Serve HTTP ingress spread over both cells, outputs equal
-to the embedded engine's token for token, then a clean shutdown that leaves no cell port open.
+to the embedded engine's token for token, each cell's verifier and drafter refusing calls without
+the application's internal token, then a clean shutdown that leaves no cell port open. Without a
+cluster: the configs the application hands its cells share one fresh internal token.
 
 A missing `ray` is an error here, not a skip: scripts/setup.sh installs ray[serve].
 """
@@ -18,6 +20,7 @@ import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 try:
@@ -25,7 +28,9 @@ try:
 except ImportError as e:  # a clear failure, not a skip
     raise ImportError("ray[serve] is not installed: run `bash scripts/setup.sh`") from e
 
+from dspark.serving.grpc_runtime import channel
 from dspark.serving.local_stack import REPO_ROOT, free_port
+from dspark.serving.protos import pb, rpc
 from dspark.serving.tiny_models import LAYER_IDS, build_tiny_models
 
 MAX_TOKENS = 12
@@ -93,6 +98,39 @@ def ray_env():
             os.environ[k] = v
 
 
+def bound_init_args(app) -> tuple:
+    """The arguments a deployment of the application graph was bound with (Ray Serve's
+    Application -> Deployment.init_args)."""
+    return app._bound_deployment.init_args
+
+
+def test_every_cell_gets_the_deployments_internal_token(monkeypatch):
+    """build_app on a pretend two-node cluster: every service config of every cell carries the
+    same internal token, and the next deployment gets another one."""
+    rs = load_ray_serve_module()
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [
+        {"Alive": True, "Resources": {"CPU": 8.0}, "NodeManagerAddress": ip}
+        for ip in ("10.0.0.1", "10.0.0.2")])
+    config = rs.RayServeConfig(cells=2, verifier_gpus=0, drafter_gpus=0)
+
+    def tokens_of(app) -> set[str]:
+        tokens = set()
+        for scheduler_app in bound_init_args(app):  # the ingress is bound with the cells
+            cell, verifier_app, drafter_app, scheduler_config = bound_init_args(scheduler_app)
+            verifier_config, = bound_init_args(verifier_app)
+            drafter_config, = bound_init_args(drafter_app)
+            tokens |= {c.internal_token_value
+                       for c in (verifier_config, drafter_config, scheduler_config)}
+            assert all("internal_token=" not in repr(c)
+                       for c in (verifier_config, drafter_config, scheduler_config))
+        return tokens
+
+    first, second = tokens_of(rs.build_app(config)), tokens_of(rs.build_app(config))
+    assert len(first) == 1 and len(second) == 1 and first != second
+    assert len(next(iter(first))) >= 32
+
+
 def test_two_cells_serve_embedded_greedy_outputs_and_shut_down(tmp_path, ray_env):
     rs = load_ray_serve_module()
     models = build_tiny_models(tmp_path / "models")
@@ -112,6 +150,13 @@ def test_two_cells_serve_embedded_greedy_outputs_and_shut_down(tmp_path, ray_env
         assert [c["cell"] for c in cells] == [0, 1]
         addresses = [a for c in cells for a in (c["verifier"], c["drafter"], c["http"], c["grpc"])]
         assert len(set(addresses)) == 8 and all(port_open(a) for a in addresses)
+        # Only their scheduler may call a cell's verifier and drafter (the internal token).
+        for cell in cells:
+            for address, stub_class in ((cell["verifier"], rpc.verifier.VerifierStub),
+                                        (cell["drafter"], rpc.drafter.DrafterStub)):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub_class(channel(address)).Info(pb.common.InfoRequest(), timeout=30)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         def complete(prompt):
             _, cell, data = post(f"{url}/v1/completions",

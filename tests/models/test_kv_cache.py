@@ -25,6 +25,20 @@ def test_blocks_allocated_on_demand_and_accounted():
     assert m.capacity_tokens == 32
 
 
+def test_usage_is_the_fraction_of_blocks_in_use():
+    m = BlockManager(num_blocks=8, block_size=4)
+    assert m.usage == 0.0
+    m.add_request("a")
+    m.add_request("b")
+    m.grow({"a": 5, "b": 4})  # 2 + 1 blocks
+    assert m.usage == 3 / 8
+    m.truncate("a", 4)  # a's second block goes back
+    assert m.usage == 2 / 8
+    m.free("a")
+    m.free("b")
+    assert m.usage == 0.0
+
+
 def test_slots_follow_the_block_table():
     m = BlockManager(num_blocks=8, block_size=4)
     m.add_request("a")

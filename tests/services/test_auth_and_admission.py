@@ -4,7 +4,9 @@
 - another key can neither read nor resume my request (REST and gRPC), and is told what an
   unknown id is told;
 - beyond the waiting queue a request is refused (429 + Retry-After / RESOURCE_EXHAUSTED) while
-  health answers at once, and the admitted requests complete with their solo greedy outputs.
+  health answers at once, and the admitted requests complete with their solo greedy outputs;
+  /metrics counts both refusals (dspark:num_requests_refused_total{reason="queue_full"}) and
+  shows the verifier's KV cache in use while a request runs, back to 0 once it is done.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from dspark.serving.auth import INTERNAL_TOKEN_METADATA
 from dspark.serving.grpc_runtime import channel
@@ -139,6 +142,17 @@ def test_another_key_cannot_read_or_resume_my_request(guarded):
     assert list(record.prompt_ids) == PROMPT
 
 
+def scraped(port: int, name: str, **labels: str) -> float:
+    """One sample of the scheduler's /metrics (model "tiny")."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    wanted = {"model_name": "tiny", **labels}
+    return next(s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name == name and s.labels == wanted)
+
+
 @contextlib.contextmanager
 def frozen(process):
     process.proc.send_signal(signal.SIGSTOP)
@@ -169,6 +183,7 @@ def test_beyond_the_queue_is_a_429_and_health_stays_responsive(guarded, embedded
                 first_started.set()
         conn.close()
 
+    refused_before = scraped(port, "dspark:num_requests_refused_total", reason="queue_full")
     first = threading.Thread(target=stream, args=("first",))
     first.start()
     assert first_started.wait(120)
@@ -193,6 +208,10 @@ def test_beyond_the_queue_is_a_429_and_health_stays_responsive(guarded, embedded
                                                              max_tokens=4), timeout=30,
                                metadata=[("authorization", f"Bearer {ALICE}")]))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert scraped(port, "dspark:num_requests_refused_total",
+                       reason="queue_full") == refused_before + 2
+        # The first request's prompt and tokens so far hold blocks of the verifier's cache.
+        assert 0 < scraped(port, "dspark:kv_cache_usage_perc") < 1
         status, _, health = request(port, "GET", "/health", key=None)
         assert status == 200 and health["waiting"] >= 1
         grpc_health = health_pb2_grpc.HealthStub(channel(f"127.0.0.1:{guarded['grpc']}")).Check(
@@ -203,3 +222,11 @@ def test_beyond_the_queue_is_a_429_and_health_stays_responsive(guarded, embedded
     second.join(300)
     expected = embedded_greedy(PROMPT, 40)
     assert results["first"] == [200, *expected] and results["second"] == [200, *expected]
+    # Both released: the gauge is 0 after the loop's last round (recorded just after the
+    # clients' final events, so allow it a moment).
+    deadline = time.monotonic() + 10
+    while scraped(port, "dspark:kv_cache_usage_perc") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scraped(port, "dspark:kv_cache_usage_perc") == 0
+    assert scraped(port, "dspark:num_requests_refused_total",
+                   reason="kv_cache_full") == 0

@@ -2,7 +2,11 @@
 a store that fails for a while never stops generation and catches up afterwards; a cancel that
 arrives while the loop is adding the request is not lost; every client gets a final event even
 when ending its request fails; a KV cache smaller than all requests together queues them instead
-of failing the round. References: each request's solo greedy output."""
+of failing the round. References: each request's solo greedy output.
+
+Also the metrics of the KV cache: the usage gauge follows a running request's blocks (its prompt
+and outputs but the anchor, in blocks of 16) and is 0 once it is released; a round that
+overflows the cache counts its requests as refused (kv_cache_full)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dspark.evaluation.loading import load_method_drafter, load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.cohorts import Cohorts
 from dspark.serving.engine_loop import EngineLoop, StreamEvent, Submission
+from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import InMemoryRequestStore, StoredRequest
 from dspark.serving.tiny_models import LAYER_IDS
 from dspark.verifier import TargetVerifier
@@ -67,8 +72,8 @@ def drain(events: queue.Queue, timeout: float = 120) -> tuple[list[int], StreamE
             return tokens, event
 
 
-def start_loop(engine: Engine, store) -> EngineLoop:
-    loop = EngineLoop(engine, store, NoMetrics(), trace.get_tracer("test"),
+def start_loop(engine: Engine, store, metrics=None) -> EngineLoop:
+    loop = EngineLoop(engine, store, metrics or NoMetrics(), trace.get_tracer("test"),
                       logging.getLogger("test.engine_loop"), "tiny")
     loop.start()
     return loop
@@ -182,3 +187,70 @@ def test_a_top_k_request_verified_beside_greedy_ones_hurts_no_one(tiny_models, s
         done.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert [done[i] for i in range(2)] == [solo[tuple(p)] for p in PROMPTS[:2]]
     assert all(len(done[i]) == MAX_TOKENS for i in (2, 3))
+
+
+class RecordingMetrics(SchedulerMetrics):
+    """The real metrics, also keeping (tokens generated so far, KV cache usage) each time the loop
+    reports the usage (after each round's record_round, after each abort)."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny")
+        self.generated = 0
+        self.kv_cache_usages: list[tuple[int, float]] = []
+
+    def record_round(self, generated: int, *args, **kwargs) -> None:
+        self.generated += generated
+        super().record_round(generated, *args, **kwargs)
+
+    def set_kv_cache_usage(self, usage: float) -> None:
+        self.kv_cache_usages.append((self.generated, usage))
+        super().set_kv_cache_usage(usage)
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, {"model_name": "tiny", **labels})
+        assert value is not None, name
+        return value
+
+
+def test_kv_cache_usage_follows_a_running_request_and_returns_to_0(tiny_models, solo):
+    engine = make_engine(tiny_models, kv_cache_tokens=4096)
+    block_size = engine.verifier.runner.cache.manager.block_size
+    num_blocks = engine.verifier.runner.cache.manager.num_blocks
+    assert (block_size, num_blocks) == (16, 256)
+    metrics = RecordingMetrics()
+    loop = start_loop(engine, InMemoryRequestStore(), metrics)
+    prompt = PROMPTS[2]  # 7 tokens
+    try:
+        tokens, last = drain(loop.submit(submission(0, prompt)))
+        assert tokens == solo[tuple(prompt)] and last.finish_reason == "length"
+    finally:
+        loop.stop(1.0)  # joins the loop thread: its last report (after the final event) is in
+    *running, finished = metrics.kv_cache_usages
+    assert running and finished == (MAX_TOKENS, 0.0)
+    for generated, usage in running:  # the cache holds prompt + outputs but the anchor
+        assert 0 < generated < MAX_TOKENS
+        assert usage == -(-(len(prompt) + generated - 1) // block_size) / num_blocks
+    assert {usage for _, usage in running} == {1 / 256, 2 / 256}  # 7 + 23 tokens: 2 blocks
+    assert metrics.sample("dspark:kv_cache_usage_perc") == 0.0
+
+
+def test_a_round_that_overflows_the_kv_cache_counts_its_requests_as_refused(tiny_models):
+    """32 KV tokens (2 blocks) and no reservation in the engine: two requests outgrow the cache
+    mid-generation; the round fails (KVCacheFull) and ends both with an error."""
+    runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=32)
+    drafter = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
+    engine = Engine(TargetVerifier(runner), drafter, CostTable.load(tiny_models.cost_table),
+                    EngineConfig(policy="async_topk", update_cost_table=False))
+    metrics = RecordingMetrics()
+    loop = start_loop(engine, InMemoryRequestStore(), metrics)
+    try:
+        streams = [loop.submit(submission(i, p)) for i, p in enumerate(PROMPTS[:2])]
+        for events in streams:
+            _, last = drain(events)
+            assert last.finish_reason == "error" and "KVCacheFull" in last.error
+    finally:
+        loop.stop(1.0)
+    assert metrics.sample("dspark:num_requests_refused_total", reason="kv_cache_full") == 2
+    assert metrics.sample("dspark:num_requests_refused_total", reason="queue_full") == 0
+    assert metrics.sample("dspark:kv_cache_usage_perc") == 0.0
+    assert runner.cache.manager.usage == 0.0

@@ -3,12 +3,12 @@ the draft vocabulary and mask token a data set selects, and anchor positions."""
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from dspark.training.data import read_records
 
 
 @dataclass
@@ -30,26 +30,23 @@ class Batch:
 
 
 def read_examples(path: str | Path, split: str | None = "train") -> list[Example]:
-    """Examples with a non-empty answer from a (gzipped) jsonl, keeping only `split` (None = all).
+    """Examples with a non-empty answer from a (gzipped) jsonl, keeping only `split` (None = all);
+    a file cut off by a killed writer is read up to the cut (`read_records`).
     `path` may name several files separated by commas: their examples in that order."""
     if "," in str(path):
         return [ex for part in str(path).split(",") if part.strip()
                 for ex in read_examples(part.strip(), split)]
+    if not Path(path).exists():
+        raise FileNotFoundError(path)
     examples = []
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        for line_no, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            obj = json.loads(line)
-            if "prompt_ids" not in obj or "answer_ids" not in obj:
-                raise ValueError(f"{path}:{line_no}: needs prompt_ids and answer_ids")
-            if split is not None and obj.get("split", "train") != split:
-                continue
-            if obj["answer_ids"]:
-                examples.append(Example([int(t) for t in obj["prompt_ids"]],
-                                        [int(t) for t in obj["answer_ids"]]))
+    for line_no, obj in enumerate(read_records(Path(path)), 1):
+        if "prompt_ids" not in obj or "answer_ids" not in obj:
+            raise ValueError(f"{path}:{line_no}: needs prompt_ids and answer_ids")
+        if split is not None and obj.get("split", "train") != split:
+            continue
+        if obj["answer_ids"]:
+            examples.append(Example([int(t) for t in obj["prompt_ids"]],
+                                    [int(t) for t in obj["answer_ids"]]))
     if not examples:
         raise ValueError(f"{path}: no examples with a non-empty answer in split {split!r}")
     return examples

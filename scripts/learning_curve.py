@@ -1,0 +1,69 @@
+"""The drafters' learning curves: held-out acceptance against anchor-blocks seen, as CSV and PNG.
+
+Reads the `heldout_log.jsonl` that `dspark train --eval-every N` writes in each run folder and
+writes one CSV row per point (method, step, anchor-blocks seen, tau and acceptance per position,
+greedy and T=1) and a PNG with tau (greedy and T=1) against anchor-blocks seen, one line per run.
+    .venv/bin/python scripts/learning_curve.py runs/campaign/dspark-markov [more run folders] \
+        --csv docs/results/drafter_learning_curve.csv --png docs/results/drafter_learning_curve.png
+A run folder's name is its label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+
+def read_points(run: Path) -> list[dict]:
+    lines = (run / "heldout_log.jsonl").read_text().splitlines()
+    return [json.loads(ln) for ln in lines if ln.strip()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--csv", type=Path, required=True)
+    parser.add_argument("--png", type=Path, default=None)
+    args = parser.parse_args()
+    curves = {run.name: read_points(run) for run in args.runs}
+    gamma = max(len(p["accept_t1"]) for points in curves.values() for p in points)
+    fields = ["run", "step", "anchor_blocks_seen", "sequences_seen", "train_answer_tokens",
+              "tau_greedy", "tau_t1"] + [f"accept_greedy_k{k}" for k in range(1, gamma + 1)] \
+        + [f"accept_t1_k{k}" for k in range(1, gamma + 1)]
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for name, points in curves.items():
+            for p in points:
+                row = {k: p.get(k) for k in fields if k in p}
+                row["run"] = name
+                for k in range(gamma):
+                    row[f"accept_greedy_k{k + 1}"] = p["accept_greedy"][k]
+                    row[f"accept_t1_k{k + 1}"] = p["accept_t1"][k]
+                writer.writerow(row)
+    if args.png is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for name, points in curves.items():
+            x = [p["anchor_blocks_seen"] for p in points]
+            ax.plot(x, [p["tau_greedy"] for p in points], marker="o", label=f"{name}, greedy")
+            ax.plot(x, [p["tau_t1"] for p in points], marker="s", ls="--", label=f"{name}, T=1")
+        ax.set_xlabel("anchor blocks seen (this run)")
+        ax.set_ylabel("held-out tau (teacher-forced, full block)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+    print(json.dumps({name: points[-1] for name, points in curves.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

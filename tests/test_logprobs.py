@@ -5,6 +5,8 @@ prefill fused, chunked or separate, greedy and sampled, beside requests that did
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -57,8 +59,10 @@ def assert_matches_reference(model, prompt, output, got: TokenLogprobs, num_top:
 
 
 def run_collecting(engine, requests, stop_token_ids=()) -> list:
-    """requests: [(prompt, sampling, max_tokens, logprobs)] -> [(output, TokenLogprobs | None)]."""
+    """requests: [(prompt, sampling, max_tokens, logprobs)] -> [(engine request, output,
+    TokenLogprobs | None)], the log-probabilities as streamed, checked against the tokens."""
     rids = [engine.add_request(p, s, n, stop_token_ids, logprobs=k) for p, s, n, k in requests]
+    added = engine.waiting[-len(rids):]
     asked = {rid: k for rid, (_, _, _, k) in zip(rids, requests)}
     tokens = {rid: [] for rid in rids}
     pieces = {rid: [] for rid in rids}
@@ -68,8 +72,8 @@ def run_collecting(engine, requests, stop_token_ids=()) -> list:
         if out.logprobs is not None:
             assert len(out.logprobs) == len(out.new_token_ids)
             pieces[out.request_id].append(out.logprobs)
-    return [(tokens[rid], TokenLogprobs.cat(pieces[rid]) if pieces[rid] else None)
-            for rid in rids]
+    return [(request, tokens[rid], TokenLogprobs.cat(pieces[rid]) if pieces[rid] else None)
+            for request, rid in zip(added, rids)]
 
 
 @pytest.mark.parametrize("policy", ["none", f"fixed:{GAMMA}", "async_topk"])
@@ -81,7 +85,7 @@ def test_logprobs_are_the_targets_log_softmax(tiny, policy, chunk):
     requests = [(PROMPTS[0], greedy, 12, 5), (PROMPTS[1], sampled, 12, 0),
                 (PROMPTS[2], greedy, 12, None), (PROMPTS[3], sampled, 12, 20)]
     done = run_collecting(engine, requests)
-    for (prompt, _, max_tokens, num_top), (output, got) in zip(requests, done):
+    for (prompt, _, max_tokens, num_top), (_, output, got) in zip(requests, done):
         assert len(output) == max_tokens
         if num_top is None:
             assert got is None
@@ -107,7 +111,7 @@ def test_a_stop_token_cuts_the_logprobs_with_the_tokens(tiny):
     engine = make_engine(models, f"fixed:{GAMMA}")
     first = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24)[0]
     stop = first.output_ids[5]
-    [(output, got)] = run_collecting(engine, [(PROMPTS[0], SamplingParams(temperature=0), 24, 2)],
+    [(_, output, got)] = run_collecting(engine, [(PROMPTS[0], SamplingParams(temperature=0), 24, 2)],
                                      stop_token_ids=[stop])
     assert output == first.output_ids[:first.output_ids.index(stop) + 1]
     assert len(got) == len(output)
@@ -131,3 +135,35 @@ def test_a_top_count_outside_0_to_20_is_refused(tiny):
     for bad in (-1, 21):
         with pytest.raises(ValueError, match="0..20"):
             engine.add_request([3], logprobs=bad)
+
+
+@pytest.mark.slow
+def test_real_target_logprobs_under_speculation(smollm2_dir):
+    """SmolLM2-135M (fp32) with the shipped drafter verifying 7 drafts a round: the reported
+    log-probabilities equal transformers' log_softmax, greedy and sampled."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dspark.models.drafter_config import DrafterConfig
+
+    drafter_dir = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-markov"
+    layer_ids = tuple(DrafterConfig.load(drafter_dir).target_layer_ids)
+    runner = load_target(smollm2_dir, layer_ids, kv_cache_tokens=2048, dtype="float32")
+    drafter = load_method_drafter(drafter_dir, runner, apply_calibration=True)
+    engine = Engine(TargetVerifier(runner), drafter,
+                    CostTable.from_step_seconds({1: 0.06, 8: 0.09, 16: 0.12, 64: 0.33}),
+                    EngineConfig(policy="fixed:7", update_cost_table=False))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three primary colours."}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"])
+    requests = [(prompt, SamplingParams(temperature=0), 24, 5),
+                (prompt, SamplingParams(temperature=0.8, seed=11), 24, 2)]
+    done = run_collecting(engine, requests)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    for (_, _, _, num_top), (request, output, got) in zip(requests, done):
+        assert request.metrics.drafts_accepted > 0 and len(output) > 5
+        ref = reference_logprobs(model, prompt, output)
+        expected = ref.gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(got.token_logprobs, expected, atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(got.top_logprobs, torch.topk(ref, num_top).values,
+                                   atol=2e-3, rtol=1e-3)

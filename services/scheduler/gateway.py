@@ -28,7 +28,7 @@ from dspark.engine import RequestMetrics
 from dspark.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from dspark.sampling import SamplingParams
 from dspark.serving.cohorts import Cohorts
-from dspark.serving.detokenizer import IncrementalDetokenizer
+from dspark.serving.detokenizer import INITIAL_CONTEXT_TOKENS, IncrementalDetokenizer
 from dspark.serving.engine_loop import StreamEvent, Submission
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStatus, RequestStore, StoredRequest
@@ -135,6 +135,18 @@ class GenerationStream:
             self._first_output, self._last_output = False, now
         if event.finished:
             metrics.record_request_latency(now - self._started)
+
+    def tokens_for_text(self, last_token_ids: list[int], chars: int) -> int:
+        """How many of `last_token_ids` (the tokens of the last chunk read) it takes for their
+        text to reach `chars` characters (at least 1): where a stop string ends, the tokens
+        after it do not count. Decodes a window per token, once per request."""
+        before = self.output_ids[:len(self.output_ids) - len(last_token_ids)]
+        context = before[max(0, len(before) - INITIAL_CONTEXT_TOKENS):]
+        base = len(self.gateway.decode(context))
+        for count in range(1, len(last_token_ids)):
+            if len(self.gateway.decode(context + last_token_ids[:count])) - base >= chars:
+                return count
+        return len(last_token_ids)
 
     def call_on_event(self, callback: Callable[[], None]) -> None:
         """Have `callback` called on the engine loop's thread after each event is queued for

@@ -198,6 +198,16 @@ class Piece:
     """Set on the last piece only."""
     chunk: Chunk
     """The engine's chunk (usage counts, speculation metrics, error)."""
+    counted: int | None = None
+    """How many of token_ids the text reaches (a stop string ends with the one that completed
+    it); None = all. Log-probabilities are reported for these."""
+
+    def logprobs(self) -> tuple[list[int], TokenLogprobs] | None:
+        """(token ids, their log-probabilities) of the counted tokens, when the request asked."""
+        if self.chunk.logprobs is None:
+            return None
+        n = len(self.token_ids) if self.counted is None else self.counted
+        return self.token_ids[:n], self.chunk.logprobs[:n]
 
 
 class _ClientGone(Exception):
@@ -237,7 +247,9 @@ async def _pieces(stream: GenerationStream, stop: list[str],
                     break
                 text, stopped = matcher.feed(chunk.text)
                 if stopped:
-                    batch.append(Piece(text, chunk.token_ids, "stop", chunk))
+                    counted = (stream.tokens_for_text(chunk.token_ids, matcher.stop_end)
+                               if chunk.logprobs is not None else None)
+                    batch.append(Piece(text, chunk.token_ids, "stop", chunk, counted))
                     break
                 if chunk.finished:
                     text += matcher.flush()
@@ -302,7 +314,7 @@ class RestApi:
         try:
             async for batch in _pieces(stream, stop, request):
                 text += "".join(piece.text for piece in batch)
-                logprobs += [p for p in batch if p.chunk.logprobs is not None]
+                logprobs += [lp for lp in map(Piece.logprobs, batch) if lp is not None]
                 last = batch[-1]
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was aborted
@@ -315,9 +327,9 @@ class RestApi:
                                          spec_decode=_spec_metrics(last.chunk))}
         whole = None
         if stream.logprobs is not None:  # the request asked: every token's, in order
-            whole = (TokenLogprobs.cat([p.chunk.logprobs for p in logprobs]) if logprobs
+            whole = (TokenLogprobs.cat([values for _, values in logprobs]) if logprobs
                      else TokenLogprobs.empty(stream.logprobs))
-            ids = [t for p in logprobs for t in p.token_ids]
+            ids = [t for token_ids, _ in logprobs for t in token_ids]
         if chat:
             return _json(ChatCompletionResponse(choices=[ChatChoice(
                 message=AssistantMessage(content=text), finish_reason=last.finish_reason,
@@ -370,15 +382,14 @@ class RestApi:
                     extras.spec_decode = _spec_metrics(piece.chunk)
                     if include_usage or not chat:
                         usage = _usage(piece.chunk)
-                logprobs = None
-                if piece.chunk.logprobs is not None:  # the logprobs of this chunk's tokens
+                logprobs, asked = None, piece.logprobs()
+                if asked is not None:  # the logprobs of this chunk's tokens
+                    token_ids, values = asked
                     if chat:
-                        logprobs = chat_logprobs(piece.chunk.logprobs, piece.token_ids,
-                                                 self.token_strings)
+                        logprobs = chat_logprobs(values, token_ids, self.token_strings)
                     else:
                         logprobs, text_offset = completion_logprobs(
-                            piece.chunk.logprobs, piece.token_ids, self.token_strings,
-                            text_offset)
+                            values, token_ids, self.token_strings, text_offset)
                 events.append(event(piece.text, piece.finish_reason, extras, usage,
                                     logprobs=logprobs))
             yield b"".join(events)

@@ -177,3 +177,22 @@ def test_bad_logprobs_values_are_a_400_naming_the_field(stack, path, extra, para
     status, reply = post(stack, path, body)
     assert status == 400, reply
     assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_logprobs_with_the_token_that_completed_it(stack, embedded_greedy,
+                                                                         target, stream):
+    expected = embedded_greedy(PROMPT, 20)
+    text = " ".join(f"t{t}" for t in expected)
+    stop = f" t{expected[6]}"  # the 7th token's word: its first appearance ends the output
+    end = text.find(stop) + len(stop)
+    last = min(k for k in range(len(expected)) if len(" ".join(text.split()[:k + 1])) >= end)
+    out = client(stack).completions.create(model="tiny", prompt=PROMPT, max_tokens=20,
+                                           temperature=0, stop=[stop], logprobs=1, stream=stream)
+    chunks = list(out) if stream else [out]
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks if c.choices[0].logprobs
+              for v in c.choices[0].logprobs.token_logprobs]
+    assert tokens == [f"t{t}" for t in expected[:last + 1]]
+    check(target, PROMPT, expected[:last + 1], values)
+    assert chunks[-1].choices[0].finish_reason == "stop"

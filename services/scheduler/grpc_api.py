@@ -1,8 +1,9 @@
 """The gRPC Generation API of the scheduler, and the API-key interceptor.
 
 Generate validates exactly as the REST API does (the shared Gateway), then streams one
-GenerateReply per round with the request's new tokens and text, the last one carrying usage and
-speculative metrics. A client that cancels or disconnects has its request aborted at once.
+GenerateReply per round with the request's new tokens and text (and their log-probabilities
+when the request set `logprobs`), the last one carrying usage and speculative metrics. A client
+that cancels or disconnects has its request aborted at once.
 """
 
 from __future__ import annotations

@@ -196,3 +196,30 @@ def test_a_stop_string_ends_the_logprobs_with_the_token_that_completed_it(stack,
     assert tokens == [f"t{t}" for t in expected[:last + 1]]
     check(target, PROMPT, expected[:last + 1], values)
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_remote_verifier_prefill_rpc_carries_first_token_logprobs(shared_verifier, tiny_models,
+                                                                  target):
+    """Whole-prompt prefill (`--prefill-chunk-tokens 0`: the Prefill RPC) and plain steps, through
+    RemoteVerifier; a count outside 0..20 is the verifier's INVALID_ARGUMENT."""
+    from dspark.cost_table import CostTable
+    from dspark.engine import Engine, EngineConfig
+    from dspark.sampling import SamplingParams
+    from dspark.serving.remote_verifier import RemoteVerifier, VerifierRejected
+
+    verifier = RemoteVerifier(shared_verifier.address, wait_seconds=30)
+    try:
+        engine = Engine(verifier, None, CostTable.load(tiny_models.cost_table),
+                        EngineConfig(policy="none", prefill_chunk_tokens=0,
+                                     update_cost_table=False))
+        rid = engine.add_request(PROMPT, SamplingParams(temperature=0.9, seed=2), 6, logprobs=4,
+                                 request_id="logprobs-prefill-rpc")
+        request = engine.waiting[0]
+        outputs = list(engine.stream())
+        ids = request.output_ids
+        values = torch.cat([o.logprobs.token_logprobs for o in outputs if o.request_id == rid])
+        check(target, PROMPT, ids, values.tolist())
+        with pytest.raises(VerifierRejected, match="0..20"):
+            verifier.prefill(["bad-count"], [PROMPT], [SamplingParams()], [None], [21])
+    finally:
+        verifier.close()

@@ -48,7 +48,8 @@ from dspark.serving.metrics import SchedulerMetrics
 from services.scheduler.gateway import Chunk, Gateway, GenerationStream, InvalidRequest, Overloaded
 from services.scheduler.openai_models import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                               ChatCompletionChunk, ChatCompletionRequest,
-                                              ChatCompletionResponse, CompletionChoice,
+                                              ChatCompletionResponse, ChatLogprobs,
+                                              CompletionChoice, CompletionLogprobs,
                                               CompletionRequest, CompletionResponse,
                                               DeltaMessage, DsparkExtras, ErrorResponse,
                                               ModelCard, ModelList, ResumeRequest,
@@ -347,7 +348,8 @@ class RestApi:
         text_offset = 0  # completions: where the next chunk's tokens start in the text
 
         def event(text: str, finish_reason: str | None, extras: DsparkExtras,
-                  usage: Usage | None, role: bool = False, logprobs=None) -> bytes:
+                  usage: Usage | None, role: bool = False,
+                  logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> bytes:
             # model_construct: the values are ours and already valid; this runs once per
             # chunk of every stream, on the thread that also serves every other request.
             common = {"id": stream.request_id, "created": created, "model": model,

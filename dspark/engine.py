@@ -31,6 +31,7 @@ import torch
 
 from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
 from dspark.cost_table import CostTable, ThetaObjective
+from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.drafter import DraftRequest, Drafter
 from dspark.sampling import SamplingParams
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyRequest
@@ -172,6 +173,9 @@ class Request:
     finished: bool = False
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    logprobs: int | None = None
+    """Report the target's log-probability of each output token with this many top
+    alternatives (dspark.logprobs); None = none."""
 
     @property
     def anchor_position(self) -> int:
@@ -187,6 +191,8 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None
+    """The new tokens' log-probabilities (one row each) when the request asked."""
 
 
 @dataclass
@@ -264,14 +270,19 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                     max_tokens: int = 128, stop_token_ids: Sequence[int] = (),
-                    request_id: Hashable | None = None) -> Hashable:
+                    request_id: Hashable | None = None, logprobs: int | None = None) -> Hashable:
+        """`logprobs`: report the target's log-probabilities of the output tokens with this
+        many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if logprobs is not None:
+            check_num_top(logprobs)
         rid = next(self._ids) if request_id is None else request_id
         self.waiting.append(Request(rid, list(prompt_ids), sampling, max_tokens,
-                                    frozenset(stop_token_ids), sampling.generator()))
+                                    frozenset(stop_token_ids), sampling.generator(),
+                                    logprobs=logprobs))
         return rid
 
     def abort(self, request_id: Hashable) -> None:
@@ -334,7 +345,7 @@ class Engine:
             end = min(len(r.prompt_ids), r.prefilled + budget)
             planned.append((r, PrefillChunk(r.request_id, r.prompt_ids[r.prefilled:end],
                                             end == len(r.prompt_ids), r.sampling, r.generator,
-                                            continued=r.prefilled > 0)))
+                                            continued=r.prefilled > 0, logprobs=r.logprobs)))
             budget -= end - r.prefilled
         return planned
 
@@ -355,8 +366,9 @@ class Engine:
         (`sent`: the chunks as sent, when they may say hold_features)."""
         outputs = []
         sent = [c for _, c in planned] if sent is None else sent
-        for (r, chunk), token, features, as_sent in zip(planned, result.first_tokens,
-                                                        result.features, sent):
+        logprobs = result.logprobs or [None] * len(planned)
+        for (r, chunk), token, features, as_sent, first_logprobs in zip(
+                planned, result.first_tokens, result.features, sent, logprobs):
             start, end = r.prefilled, r.prefilled + len(chunk.token_ids)
             if as_sent.hold_features:
                 self._held.add(r.request_id)
@@ -367,7 +379,7 @@ class Engine:
             if chunk.final:
                 self.prefilling.remove(r)
                 self.running.append(r)
-                outputs.append(self._emit(r, [token]))
+                outputs.append(self._emit(r, [token], first_logprobs))
         return outputs
 
     def _admit_waiting(self) -> list[StepOutput]:
@@ -379,8 +391,10 @@ class Engine:
             return []
         joining = [r for r, _ in planned]
         start = time.perf_counter()
+        asked = [r.logprobs for r in joining]
         out = self.verifier.prefill([r.request_id for r in joining], [r.prompt_ids for r in joining],
-                                    [r.sampling for r in joining], [r.generator for r in joining])
+                                    [r.sampling for r in joining], [r.generator for r in joining],
+                                    asked if any(k is not None for k in asked) else None)
         self.stats.prefill_seconds += time.perf_counter() - start
         outputs = self._take_chunks(planned, out)
         self._retire_finished()
@@ -429,7 +443,7 @@ class Engine:
 
         result = self.verifier.verify(
             [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator,
-                           hold_features=h)
+                           hold_features=h, logprobs=r.logprobs)
              for r, block, n, h in zip(running, blocks, lengths, hold)],
             chunks)
         # The step as the round pays for it: with a remote verifier the call's (de)serialising
@@ -452,9 +466,10 @@ class Engine:
             self.round_observer(record)
 
         outputs = []
-        for r, n, accepted, tokens, features, held in zip(running, lengths, result.num_accepted,
-                                                          result.output_tokens, result.features,
-                                                          hold):
+        logprobs = result.logprobs or [None] * len(running)
+        for r, n, accepted, tokens, features, held, token_logprobs in zip(
+                running, lengths, result.num_accepted, result.output_tokens, result.features,
+                hold, logprobs):
             self._record_metrics(r, int(n), accepted, gamma)
             if held:
                 self._held.add(r.request_id)
@@ -463,7 +478,7 @@ class Engine:
                 self.drafter.append_context(r.request_id, features,
                                             torch.arange(first, first + 1 + accepted),
                                             torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
-            outputs.append(self._emit(r, tokens))
+            outputs.append(self._emit(r, tokens, token_logprobs))
         outputs += self._take_chunks(planned, result.prefill, chunks) if planned else []
         self._retire_finished()
         return outputs
@@ -617,8 +632,10 @@ class Engine:
         for k in range(accepted):
             m.accepted_per_position[k] += 1
 
-    def _emit(self, r: Request, tokens: list[int]) -> StepOutput:
-        """Append tokens to the request, cutting at a stop token or max_tokens."""
+    def _emit(self, r: Request, tokens: list[int],
+              logprobs: TokenLogprobs | None = None) -> StepOutput:
+        """Append tokens to the request, cutting at a stop token or max_tokens (their
+        log-probabilities, one row per token, with them)."""
         new = []
         for t in tokens:
             new.append(t)
@@ -629,7 +646,14 @@ class Engine:
                 r.finished, r.finish_reason = True, "length"
                 break
         r.output_ids += new
-        return StepOutput(r.request_id, new, r.finished, r.finish_reason)
+        if r.logprobs is not None:
+            if logprobs is None or len(logprobs) != len(tokens):
+                raise RuntimeError(f"request {r.request_id!r} asked for logprobs; the verifier "
+                                   f"returned {'none' if logprobs is None else len(logprobs)} "
+                                   f"for {len(tokens)} tokens")
+            logprobs = logprobs[:len(new)]
+        return StepOutput(r.request_id, new, r.finished, r.finish_reason,
+                          logprobs if r.logprobs is not None else None)
 
     def _retire_finished(self) -> None:
         for r in [r for r in self.running if r.finished]:

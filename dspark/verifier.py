@@ -27,6 +27,7 @@ from typing import Hashable, Sequence
 import torch
 
 from dspark.feature_stash import FeaturePiece, FeatureStash
+from dspark.logprobs import TokenLogprobs, grouped_token_logprobs
 from dspark.models.drafter import DraftBlock
 from dspark.models.runner import ForwardItem, TargetRunner
 from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify
@@ -39,6 +40,8 @@ class PrefillOutput:
     """[num_requests] the first generated token of each request (sampled from the target)."""
     features: list[torch.Tensor | None]
     """Per request [prompt_len, num_layers * hidden_size] target features, or None without layers."""
+    logprobs: list[TokenLogprobs | None] | None = None
+    """Per request the first token's log-probability (dspark.logprobs), None where not asked."""
 
 
 @dataclass
@@ -54,6 +57,9 @@ class VerifyRequest:
     hold_features: bool = False
     """Keep the committed tokens' features with the verifier (`take_features`) instead of
     returning them (dspark.feature_stash)."""
+    logprobs: int | None = None
+    """Return the target's log-probabilities of the output tokens with this many top
+    alternatives each (dspark.logprobs); None = none (nothing is computed)."""
 
 
 @dataclass
@@ -71,6 +77,9 @@ class PrefillChunk:
     """The request's earlier pieces are already in the KV cache (else it is new here)."""
     hold_features: bool = False
     """Keep the chunk's features with the verifier instead of returning them."""
+    logprobs: int | None = None
+    """A final chunk: return the first token's log-probability with this many top alternatives
+    (dspark.logprobs); None = none."""
 
 
 @dataclass
@@ -82,6 +91,9 @@ class ChunkOutput:
     features: list[torch.Tensor | None]
     """[num_chunks] features [len(token_ids), num_layers * hidden_size], or None without layers
     or when held."""
+    logprobs: list[TokenLogprobs | None] | None = None
+    """[num_chunks] the first token's log-probability (one row) for a final chunk that asked
+    (PrefillChunk.logprobs), None for the others; None when no chunk asked."""
 
 
 @dataclass
@@ -101,6 +113,9 @@ class VerifyOutput:
     """The prefill chunks' results (None when the call had none)."""
     prefill_tokens: int = 0
     """Prompt tokens the same forward read for the prefill chunks."""
+    logprobs: list[TokenLogprobs | None] | None = None
+    """[num_requests] the target's log-probabilities of output_tokens (one row per token) for
+    requests that asked (VerifyRequest.logprobs), None for the others; None when none asked."""
 
 
 class TargetVerifier:
@@ -126,11 +141,14 @@ class TargetVerifier:
 
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> PrefillOutput:
-        chunks = [PrefillChunk(rid, list(p), True, s, g)
-                  for rid, p, s, g in zip(request_ids, prompts, sampling, generators)]
+                generators: Sequence[torch.Generator | None],
+                logprobs: Sequence[int | None] | None = None) -> PrefillOutput:
+        """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks)."""
+        logprobs = [None] * len(request_ids) if logprobs is None else logprobs
+        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k)
+                  for rid, p, s, g, k in zip(request_ids, prompts, sampling, generators, logprobs)]
         out = self.verify([], chunks).prefill
-        return PrefillOutput([int(t) for t in out.first_tokens], out.features)
+        return PrefillOutput([int(t) for t in out.first_tokens], out.features, out.logprobs)
 
     def verify(self, requests: Sequence[VerifyRequest],
                prefill: Sequence[PrefillChunk] = ()) -> VerifyOutput:
@@ -180,7 +198,7 @@ class TargetVerifier:
         step_seconds = time.perf_counter() - start
         verify_rows = sum(lens) + len(requests)
 
-        num_accepted, output_tokens, features = [], [], []
+        num_accepted, output_tokens, features, logprobs = [], [], [], None
         if requests:
             draft_lens = torch.tensor(lens, dtype=torch.int64)
             if indices and len(indices) != len(tokens):
@@ -201,6 +219,7 @@ class TargetVerifier:
             result = verify(batch, draw_uniforms(draft_lens, [r.generator for r in requests]))
             num_accepted = result.num_accepted.tolist()
             output_tokens = result.output_tokens(batch)
+            logprobs = _output_logprobs(requests, lens, output_tokens, batch.target_logits)
             for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
                 self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
                 hidden = out.hidden_of(i)[:1 + accepted] if out.hidden is not None else None
@@ -226,7 +245,8 @@ class TargetVerifier:
         return VerifyOutput(num_accepted, output_tokens, features,
                             batch_tokens=len(requests) + sum(lens), step_seconds=step_seconds,
                             prefill=chunks,
-                            prefill_tokens=sum(len(c.token_ids) for c in prefill))
+                            prefill_tokens=sum(len(c.token_ids) for c in prefill),
+                            logprobs=logprobs)
 
     def _chunk_outputs(self, prefill: Sequence[PrefillChunk], out, first_item: int,
                        logits: torch.Tensor) -> ChunkOutput | None:
@@ -236,14 +256,20 @@ class TargetVerifier:
             return None
         final = [c for c in prefill if c.final]
         first: list[int | None] = [None] * len(prefill)
+        logprobs: list[TokenLogprobs | None] | None = None
         if final:
             probs = probs_from_logits(logits, SamplingTensors.from_params([c.sampling for c in final]))
             uniforms = torch.cat([torch.rand(1, generator=c.generator) for c in final])  # [F]
-            sampled = iter(sample_from_probs(probs, uniforms).tolist())
+            first_tokens = sample_from_probs(probs, uniforms)  # [F]
+            sampled = iter(first_tokens.tolist())
             first = [next(sampled) if c.final else None for c in prefill]
+            asked = [c.logprobs for c in final]
+            if any(k is not None for k in asked):
+                rows = iter(_rows_logprobs(logits, first_tokens, asked))
+                logprobs = [next(rows) if c.final else None for c in prefill]
         features = [self._flat_features(out.hidden_of(first_item + i)) if out.hidden is not None
                     else None for i in range(len(prefill))]
-        return ChunkOutput(first, features)
+        return ChunkOutput(first, features, logprobs)
 
     def take_features(self, request_ids: Sequence[Hashable]) -> list[list[FeaturePiece]]:
         """[num_requests] the held feature pieces of each request, in order (empty lists where
@@ -254,6 +280,34 @@ class TargetVerifier:
         self.stash.drop(request_id)
         if self.runner.has_request(request_id):
             self.runner.free(request_id)
+
+
+def _rows_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
+    """One row each: logits [n, V], tokens [n], num_top [n] (None = not asked) -> [n]."""
+    asked = [i for i, k in enumerate(num_top) if k is not None]
+    index = torch.tensor(asked, dtype=torch.int64)
+    computed = iter(grouped_token_logprobs(logits[index.to(logits.device)], tokens.cpu()[index],
+                                           [(1, num_top[i]) for i in asked]))
+    return [None if k is None else next(computed) for k in num_top]
+
+
+def _output_logprobs(requests: Sequence[VerifyRequest], draft_lens: Sequence[int],
+                     output_tokens: list[list[int]], target_logits: torch.Tensor
+                     ) -> list[TokenLogprobs | None] | None:
+    """The target's log-probabilities of each asking request's output tokens: token j of request
+    r (accepted drafts, then the recovered or bonus token) was produced at r's target row j (the
+    rows follow rejection.py's flattened layout), one log_softmax for all asking requests."""
+    asked = [i for i, r in enumerate(requests) if r.logprobs is not None]
+    if not asked:
+        return None
+    starts = [sum(draft_lens[:i]) + i for i in range(len(requests))]  # r's first target row
+    rows = torch.cat([torch.arange(starts[i], starts[i] + len(output_tokens[i])) for i in asked])
+    tokens = torch.tensor([t for i in asked for t in output_tokens[i]], dtype=torch.int64)
+    computed = iter(grouped_token_logprobs(
+        target_logits[rows.to(target_logits.device)], tokens,
+        [(len(output_tokens[i]), requests[i].logprobs) for i in asked]))
+    return [None if r.logprobs is None else next(computed) for r in requests]
 
 
 def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:

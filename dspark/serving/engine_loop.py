@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from dspark.engine import Engine, Request, RequestMetrics, RoundRecord
+from dspark.logprobs import TokenLogprobs
 from dspark.models.kv_cache import KVCacheFull
 from dspark.sampling import SamplingParams
 from dspark.serving.metrics import SchedulerMetrics
@@ -45,6 +46,9 @@ class Submission:
     """The request's record, already in the store (the gateway writes it before submitting, so
     that a store that is down refuses the request before its response starts); its output_ids
     are the tokens stored before this submission (a resumed request). None: nothing stored."""
+    logprobs: int | None = None
+    """Stream the target's log-probability of each new token with this many top alternatives
+    (dspark.logprobs); None = none. They go to the client only, never to the store."""
 
 
 @dataclass
@@ -57,6 +61,8 @@ class StreamEvent:
     """"stop" | "length" | "abort" | "error"."""
     metrics: RequestMetrics | None = None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None
+    """One row per new token, when the request asked (Submission.logprobs)."""
 
 
 @dataclass
@@ -185,7 +191,7 @@ class EngineLoop:
             "dspark.request_id": s.request_id, "dspark.prompt_tokens": len(s.prompt_ids),
             "dspark.max_tokens": s.max_tokens})
         self.engine.add_request(s.prompt_ids, s.sampling, s.max_tokens, s.stop_token_ids,
-                                request_id=s.request_id)
+                                request_id=s.request_id, logprobs=s.logprobs)
         already = len(s.stored.output_ids) if s.stored is not None else 0
         self._live[s.request_id] = _Live(self.engine.waiting[-1], events, span, already)
         self.metrics.record_prompt(len(s.prompt_ids))
@@ -233,7 +239,8 @@ class EngineLoop:
             if live is None:
                 continue
             live.events.put(StreamEvent(list(out.new_token_ids), out.finished, out.finish_reason,
-                                        copy.deepcopy(live.request.metrics) if out.finished else None))
+                                        copy.deepcopy(live.request.metrics) if out.finished else None,
+                                        logprobs=out.logprobs))
             if out.finished:
                 self._close(rid, out.finish_reason)
         stages = {k: v - stages_before[k] for k, v in _stage_seconds(stats).items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.drafter import DraftBlock
 from dspark.sampling import SamplingParams
 from dspark.serving import tensor_codec
@@ -33,6 +34,38 @@ def sampling_from_pb(msg: "pb.common.SamplingParams", seed_offset: int = 0) -> S
     seed = msg.seed + seed_offset if msg.HasField("seed") else None
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
                           seed=seed)
+
+
+def logprobs_to_pb(logprobs: TokenLogprobs | None) -> "pb.common.TokenLogprobs":
+    if logprobs is None:
+        return pb.common.TokenLogprobs()
+    return pb.common.TokenLogprobs(token_logprobs=tensor_codec.encode(logprobs.token_logprobs),
+                                   top_token_ids=tensor_codec.encode(logprobs.top_token_ids),
+                                   top_logprobs=tensor_codec.encode(logprobs.top_logprobs))
+
+
+def logprobs_from_pb(msg: "pb.common.TokenLogprobs", num_tokens: int) -> TokenLogprobs | None:
+    """None when the message is empty (not asked); raises ValueError unless it has one row for
+    each of the num_tokens tokens."""
+    values = tensor_codec.decode(msg.token_logprobs)
+    if values is None:
+        return None
+    top_ids, top_values = (tensor_codec.decode(msg.top_token_ids),
+                           tensor_codec.decode(msg.top_logprobs))
+    if (values.shape != (num_tokens,) or top_ids is None or top_values is None
+            or top_ids.dim() != 2 or top_ids.shape != top_values.shape
+            or top_ids.shape[0] != num_tokens):
+        raise ValueError(f"logprobs for {num_tokens} tokens have shapes "
+                         f"{tuple(values.shape)} / {None if top_ids is None else tuple(top_ids.shape)}")
+    return TokenLogprobs(values.float(), top_ids.long(), top_values.float())
+
+
+def num_top_from_pb(msg, field: str = "logprobs") -> int | None:
+    """An `optional int32 logprobs` field: None when absent; raises ValueError outside 0..20."""
+    if not msg.HasField(field):
+        return None
+    check_num_top(getattr(msg, field))
+    return int(getattr(msg, field))
 
 
 def block_to_pb(round_id: int, request_id: str,

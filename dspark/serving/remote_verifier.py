@@ -26,6 +26,7 @@ import torch
 
 from dspark.cost_table import CostTable
 from dspark.feature_stash import FeaturePiece
+from dspark.logprobs import TokenLogprobs
 from dspark.sampling import SamplingParams
 from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import channel
@@ -81,19 +82,22 @@ class RemoteVerifier:
     # -- the TargetVerifier interface -------------------------------------------------------
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> PrefillOutput:
+                generators: Sequence[torch.Generator | None],
+                logprobs: Sequence[int | None] | None = None) -> PrefillOutput:
         """(generators are the scheduler's; the verifier seeds its own from sampling.seed.)"""
         ids = [str(r) for r in request_ids]
+        logprobs = [None] * len(ids) if logprobs is None else logprobs
         request = pb.verifier.PrefillRequest(items=[
             pb.verifier.PrefillItem(request_id=rid, prompt_ids=list(p),
-                                    sampling=messages.sampling_to_pb(s))
-            for rid, p, s in zip(ids, prompts, sampling)])
+                                    sampling=messages.sampling_to_pb(s), logprobs=k)
+            for rid, p, s, k in zip(ids, prompts, sampling, logprobs)])
         reply = self._call(self._stub.Prefill, request, restore_ids=[])
         self.kv_cache_usage = reply.kv_cache_usage
         first = [int(r.first_token) for r in reply.results]
         for rid, p, s, t in zip(ids, prompts, sampling, first):
             self._history[rid] = _History(list(p), s, [t])
-        return PrefillOutput(first, [tensor_codec.decode(r.features) for r in reply.results])
+        return PrefillOutput(first, [tensor_codec.decode(r.features) for r in reply.results],
+                             _asked_logprobs(reply.results, [1] * len(ids), logprobs))
 
     def verify(self, requests: Sequence[VerifyRequest],
                prefill: Sequence[PrefillChunk] = ()) -> VerifyOutput:
@@ -104,11 +108,12 @@ class RemoteVerifier:
                 request_id=str(req.request_id), anchor_token=int(req.anchor_token),
                 draft_tokens=tokens, draft_probs=probs, draft_indices=indices,
                 sampling=messages.sampling_to_pb(req.sampling),
-                hold_features=req.hold_features))
+                hold_features=req.hold_features, logprobs=req.logprobs))
         chunks = [pb.verifier.PrefillItem(request_id=str(c.request_id), prompt_ids=list(c.token_ids),
                                           sampling=messages.sampling_to_pb(c.sampling),
                                           continued=c.continued, more=not c.final,
-                                          hold_features=c.hold_features)
+                                          hold_features=c.hold_features,
+                                          logprobs=c.logprobs if c.final else None)
                   for c in prefill]
         ids = [str(r.request_id) for r in requests]
         continued = [str(c.request_id) for c in prefill if c.continued]
@@ -127,12 +132,17 @@ class RemoteVerifier:
                      for r in reply.prefill_results]
             self._remember_chunks(prefill, first)
             chunk_out = ChunkOutput(first, [tensor_codec.decode(r.features)
-                                            for r in reply.prefill_results])
+                                            for r in reply.prefill_results],
+                                    _asked_logprobs(reply.prefill_results, [1] * len(prefill),
+                                                    [c.logprobs if c.final else None
+                                                     for c in prefill]))
         return VerifyOutput([int(r.num_accepted) for r in reply.results], outputs,
                             [tensor_codec.decode(r.features) for r in reply.results],
                             batch_tokens=int(reply.batch_tokens),
                             step_seconds=float(reply.step_seconds), prefill=chunk_out,
-                            prefill_tokens=int(reply.prefill_tokens))
+                            prefill_tokens=int(reply.prefill_tokens),
+                            logprobs=_asked_logprobs(reply.results, [len(t) for t in outputs],
+                                                     [r.logprobs for r in requests]))
 
     def _remember_held(self, requests: Sequence[VerifyRequest],
                        prefill: Sequence[PrefillChunk]) -> None:
@@ -237,3 +247,19 @@ class RemoteVerifier:
         self.kv_cache_usage = reply.kv_cache_usage
         if self.on_restore is not None:
             self.on_restore(live)
+
+
+def _asked_logprobs(results, num_tokens: Sequence[int], asked: Sequence[int | None]
+                    ) -> list[TokenLogprobs | None] | None:
+    """Each result's log-probabilities where its item asked (None when no item did); a reply
+    without them for an item that asked is the verifier's fault, not the request's."""
+    if all(k is None for k in asked):
+        return None
+    out = []
+    for result, n, k in zip(results, num_tokens, asked):
+        got = None if k is None else messages.logprobs_from_pb(result.logprobs, n)
+        if k is not None and got is None:
+            raise RuntimeError("the verifier returned no logprobs for an item that asked "
+                               "(a verifier without logprobs support?)")
+        out.append(got)
+    return out

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from dspark.engine import RequestMetrics
+from dspark.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from dspark.sampling import SamplingParams
 from dspark.serving.cohorts import Cohorts
-from dspark.serving.detokenizer import IncrementalDetokenizer
+from dspark.serving.detokenizer import INITIAL_CONTEXT_TOKENS, IncrementalDetokenizer
 from dspark.serving.engine_loop import StreamEvent, Submission
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStatus, RequestStore, StoredRequest
@@ -62,6 +63,9 @@ class GenerationSpec:
     prompt_ids: list[int]
     sampling: SamplingParams
     max_tokens: int
+    logprobs: int | None = None
+    """Report the target's log-probability of each produced token with this many top
+    alternatives (0..MAX_TOP_LOGPROBS); None = none."""
 
 
 @dataclass
@@ -76,16 +80,20 @@ class Chunk:
     completion_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None
+    """One row per token of token_ids, when the request asked (GenerationSpec.logprobs)."""
 
 
 class GenerationStream:
     """Iterates a request's Chunks; `cancel()` (client gone) aborts it and frees its caches."""
 
     def __init__(self, gateway: "Gateway", request_id: str, prompt_ids: list[int],
-                 already: list[int], events: queue.Queue) -> None:
+                 already: list[int], events: queue.Queue, logprobs: int | None = None) -> None:
         self.gateway = gateway
         self.request_id = request_id
         self.prompt_ids = prompt_ids
+        self.logprobs = logprobs
+        """The request's top count when it asked for log-probabilities (GenerationSpec), else None."""
         self._events = events
         self._text = IncrementalDetokenizer(gateway.decode, already)
         self.finished = False
@@ -111,7 +119,8 @@ class GenerationStream:
         delta = self._text.push(event.new_token_ids, final=event.finished)
         self.finished = event.finished
         return Chunk(event.new_token_ids, delta, event.finished, event.finish_reason,
-                     len(self.prompt_ids), len(self.output_ids), event.metrics, event.error)
+                     len(self.prompt_ids), len(self.output_ids), event.metrics, event.error,
+                     event.logprobs)
 
     def _record_latency(self, event: StreamEvent) -> None:
         """Time to first token, between outputs, and to the end, into the gateway's metrics."""
@@ -126,6 +135,18 @@ class GenerationStream:
             self._first_output, self._last_output = False, now
         if event.finished:
             metrics.record_request_latency(now - self._started)
+
+    def tokens_for_text(self, last_token_ids: list[int], chars: int) -> int:
+        """How many of `last_token_ids` (the tokens of the last chunk read) it takes for their
+        text to reach `chars` characters (at least 1): where a stop string ends, the tokens
+        after it do not count. Decodes a window per token, once per request."""
+        before = self.output_ids[:len(self.output_ids) - len(last_token_ids)]
+        context = before[max(0, len(before) - INITIAL_CONTEXT_TOKENS):]
+        base = len(self.gateway.decode(context))
+        for count in range(1, len(last_token_ids)):
+            if len(self.gateway.decode(context + last_token_ids[:count])) - base >= chars:
+                return count
+        return len(last_token_ids)
 
     def call_on_event(self, callback: Callable[[], None]) -> None:
         """Have `callback` called on the engine loop's thread after each event is queued for
@@ -179,7 +200,9 @@ class Gateway:
                                  status=404, param="model")
 
     def spec(self, prompt_ids: list[int], temperature: Any = 1.0, top_p: Any = 1.0,
-             top_k: Any = 0, seed: Any = None, max_tokens: Any = 16) -> GenerationSpec:
+             top_k: Any = 0, seed: Any = None, max_tokens: Any = 16,
+             logprobs: Any = None) -> GenerationSpec:
+        """`logprobs`: top alternatives per produced token (None = no log-probabilities)."""
         max_tokens = _number(max_tokens, "max_tokens", int)
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {_short(max_tokens)}",
@@ -208,8 +231,13 @@ class Gateway:
             if not INT64_MIN <= seed <= INT64_MAX:
                 raise InvalidRequest(f"seed must be a 64-bit signed integer, got {_short(seed)}",
                                      param="seed")
+        if logprobs is not None:
+            logprobs = _number(logprobs, "logprobs", int)
+            if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
+                                     f"{_short(logprobs)}", param="logprobs")
         return GenerationSpec(prompt_ids, SamplingParams(temperature, top_k, top_p, seed),
-                              max_tokens)
+                              max_tokens, logprobs)
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         """A string, a list of token ids, or a one-element list of either (OpenAI's forms)."""
@@ -280,8 +308,9 @@ class Gateway:
                                spec.max_tokens, list(self.stop_token_ids), owner=owner)
         with self._submit_lock:
             events = self._submit(Submission(request_id, spec.prompt_ids, sampling,
-                                             spec.max_tokens, list(self.stop_token_ids), stored))
-        return GenerationStream(self, request_id, spec.prompt_ids, [], events)
+                                             spec.max_tokens, list(self.stop_token_ids), stored,
+                                             logprobs=spec.logprobs))
+        return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs)
 
     def fetch(self, request_id: str, owner: str = "") -> StoredRequest:
         """The caller's stored request. Another key's request is answered as an unknown one, and
@@ -336,6 +365,14 @@ class Gateway:
             return self.loop.submit(submission)
         except RuntimeError as e:
             raise InvalidRequest(str(e), status=503) from e
+
+    def token_piece(self, token_id: int) -> tuple[str, str]:
+        """(the token decoded alone, special tokens kept; its vocabulary entry)."""
+        if self.tokenizer is None:
+            return "", ""
+        with self._tokenizer_lock:
+            return (self.tokenizer.decode([token_id], skip_special_tokens=False),
+                    self.tokenizer.convert_ids_to_tokens(token_id))
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

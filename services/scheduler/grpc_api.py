@@ -1,8 +1,9 @@
 """The gRPC Generation API of the scheduler, and the API-key interceptor.
 
 Generate validates exactly as the REST API does (the shared Gateway), then streams one
-GenerateReply per round with the request's new tokens and text, the last one carrying usage and
-speculative metrics. A client that cancels or disconnects has its request aborted at once.
+GenerateReply per round with the request's new tokens and text (and their log-probabilities
+when the request set `logprobs`), the last one carrying usage and speculative metrics. A client
+that cancels or disconnects has its request aborted at once.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class GenerationServicer(rpc.generation.GenerationServicer):
     def _start(self, request, owner: str) -> GenerationStream:
         g = self.gateway
         if request.resume_request_id:
+            if request.HasField("logprobs"):
+                raise InvalidRequest("logprobs are not stored: a resumed request cannot return "
+                                     "them", param="logprobs")
             return g.resume(request.resume_request_id, owner)
         g.check_model(request.model)
         given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
@@ -72,7 +76,8 @@ class GenerationServicer(rpc.generation.GenerationServicer):
         spec = g.spec(prompt_ids, temperature=s.temperature,
                       top_p=s.top_p if s.top_p else 1.0,  # proto3 default 0 = unset
                       top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
-                      max_tokens=request.max_tokens or 16)
+                      max_tokens=request.max_tokens or 16,
+                      logprobs=request.logprobs if request.HasField("logprobs") else None)
         return g.start(spec, g.new_request_id("gen"), owner)
 
     def Generate(self, request, context):
@@ -94,6 +99,8 @@ class GenerationServicer(rpc.generation.GenerationServicer):
                                                 token_ids=chunk.token_ids, text=chunk.text,
                                                 finished=chunk.finished,
                                                 finish_reason=chunk.finish_reason or "")
+            if chunk.logprobs is not None:
+                reply.logprobs.extend(_token_logprobs(chunk))
             if chunk.finished:
                 reply.usage.prompt_tokens = chunk.prompt_tokens
                 reply.usage.completion_tokens = chunk.completion_tokens
@@ -122,3 +129,11 @@ class GenerationServicer(rpc.generation.GenerationServicer):
                                                             s["top_p"], s.get("seed"))),
             max_tokens=r.max_tokens, status=r.status, finish_reason=r.finish_reason,
             text=self.gateway.decode(r.output_ids))
+
+
+def _token_logprobs(chunk) -> list:
+    """GenerateReply.logprobs of a chunk's tokens (dspark.logprobs.TokenLogprobs, one row each)."""
+    lp = chunk.logprobs
+    return [pb.generation.TokenLogprob(token_id=t, logprob=v, top_token_ids=ids, top_logprobs=vs)
+            for t, v, ids, vs in zip(chunk.token_ids, lp.token_logprobs.tolist(),
+                                     lp.top_token_ids.tolist(), lp.top_logprobs.tolist())]

@@ -21,10 +21,13 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
                       StrictInt, ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from dspark.logprobs import MAX_TOP_LOGPROBS
 from services.scheduler.gateway import CHAT_ROLES
 
 MAX_STOP_STRINGS = 4
 """OpenAI's limit on `stop`."""
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's limit on the legacy completions' `logprobs`."""
 
 
 def invalid(message: str, param: str) -> PydanticCustomError:
@@ -78,8 +81,6 @@ class ChatMessage(BaseModel):
 
 UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
@@ -146,24 +147,58 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _top_count(value: Any, name: str, limit: int) -> int | None:
+    """An integer in 0..limit or None, else a 400 naming `name`."""
+    if value is None:
+        return None
+    if isinstance(value, float) and not value.is_integer():  # also NaN and infinities
+        raise invalid(f"{name} must be an integer, got {value!r}", name)
+    if not 0 <= value <= limit:
+        raise invalid(f"{name} must be in 0..{limit}, got {value!r}", name)
+    return int(value)
+
+
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
-    logprobs: Number = Field(None, description="Not supported (send null).")
+    logprobs: Number = Field(None, description=(
+        f"0..{MAX_COMPLETION_LOGPROBS}: return the target's log-probability of each produced "
+        "token and of this many most probable tokens at its position (raw model distribution: "
+        "before temperature, top-k, top-p)."))
     echo: StrictBool | None = Field(None, description="Only false is supported.")
     best_of: Number = Field(None, description="Only 1 is supported.")
     suffix: str | None = Field(None, description="Not supported (send null).")
+
+    @model_validator(mode="after")
+    def _logprobs_range(self) -> "CompletionRequest":
+        self.logprobs = _top_count(self.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS)
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        return {**super().sampling(), "logprobs": self.logprobs}
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], BeforeValidator(_messages_shape)]
     max_completion_tokens: Number = Field(None, description="max_tokens under its newer name.")
-    logprobs: StrictBool | None = Field(None, description="Not supported (send false).")
-    top_logprobs: Number = Field(None, description="Not supported (send null).")
+    logprobs: StrictBool | None = Field(None, description=(
+        "Return the target's log-probability of each produced token (raw model distribution: "
+        "before temperature, top-k, top-p)."))
+    top_logprobs: Number = Field(None, description=(
+        f"0..{MAX_TOP_LOGPROBS}: also the most probable tokens at each position (needs "
+        "logprobs: true)."))
+
+    @model_validator(mode="after")
+    def _logprobs_range(self) -> "ChatCompletionRequest":
+        self.top_logprobs = _top_count(self.top_logprobs, "top_logprobs", MAX_TOP_LOGPROBS)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        return self
 
     def sampling(self) -> dict[str, Any]:
         out = super().sampling()
         if self.max_tokens is None and self.max_completion_tokens is not None:
             out["max_tokens"] = self.max_completion_tokens
+        out["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         return out
 
 
@@ -221,25 +256,50 @@ FinishReason = str
 """"stop" | "length" | "abort" | "error"."""
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """The target's log-probabilities of a chat choice's tokens (services.scheduler.logprobs_view)."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions' form (services.scheduler.logprobs_view)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class _Response(BaseModel):

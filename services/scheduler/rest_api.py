@@ -42,16 +42,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark.logprobs import TokenLogprobs
 from dspark.serving.auth import ApiKeys
 from dspark.serving.metrics import SchedulerMetrics
 from services.scheduler.gateway import Chunk, Gateway, GenerationStream, InvalidRequest, Overloaded
 from services.scheduler.openai_models import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                               ChatCompletionChunk, ChatCompletionRequest,
-                                              ChatCompletionResponse, CompletionChoice,
+                                              ChatCompletionResponse, ChatLogprobs,
+                                              CompletionChoice, CompletionLogprobs,
                                               CompletionRequest, CompletionResponse,
                                               DeltaMessage, DsparkExtras, ErrorResponse,
                                               ModelCard, ModelList, ResumeRequest,
                                               SpecDecodeMetrics, StoredRequestView, Usage)
+from services.scheduler.logprobs_view import TokenStrings, chat_logprobs, completion_logprobs
 from services.scheduler.stop_strings import StopStrings
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -196,6 +199,16 @@ class Piece:
     """Set on the last piece only."""
     chunk: Chunk
     """The engine's chunk (usage counts, speculation metrics, error)."""
+    counted: int | None = None
+    """How many of token_ids the text reaches (a stop string ends with the one that completed
+    it); None = all. Log-probabilities are reported for these."""
+
+    def logprobs(self) -> tuple[list[int], TokenLogprobs] | None:
+        """(token ids, their log-probabilities) of the counted tokens, when the request asked."""
+        if self.chunk.logprobs is None:
+            return None
+        n = len(self.token_ids) if self.counted is None else self.counted
+        return self.token_ids[:n], self.chunk.logprobs[:n]
 
 
 class _ClientGone(Exception):
@@ -235,7 +248,9 @@ async def _pieces(stream: GenerationStream, stop: list[str],
                     break
                 text, stopped = matcher.feed(chunk.text)
                 if stopped:
-                    batch.append(Piece(text, chunk.token_ids, "stop", chunk))
+                    counted = (stream.tokens_for_text(chunk.token_ids, matcher.stop_end)
+                               if chunk.logprobs is not None else None)
+                    batch.append(Piece(text, chunk.token_ids, "stop", chunk, counted))
                     break
                 if chunk.finished:
                     text += matcher.flush()
@@ -271,6 +286,8 @@ class RestApi:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.token_strings = TokenStrings(gateway.tokenizer, gateway.token_piece)
+        """The strings and bytes of tokens in `logprobs` objects."""
 
     def start(self, body: CompletionRequest | ChatCompletionRequest,
               owner: str) -> GenerationStream:
@@ -294,10 +311,11 @@ class RestApi:
             return StreamingResponse(self._events(stream, chat, stop, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last = "", None
+        text, last, logprobs = "", None, []
         try:
             async for batch in _pieces(stream, stop, request):
                 text += "".join(piece.text for piece in batch)
+                logprobs += [lp for lp in map(Piece.logprobs, batch) if lp is not None]
                 last = batch[-1]
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was aborted
@@ -308,19 +326,30 @@ class RestApi:
                   "model": self.gateway.model_name, "usage": _usage(last.chunk),
                   "dspark": DsparkExtras(token_ids=stream.output_ids,
                                          spec_decode=_spec_metrics(last.chunk))}
+        whole = None
+        if stream.logprobs is not None:  # the request asked: every token's, in order
+            whole = (TokenLogprobs.cat([values for _, values in logprobs]) if logprobs
+                     else TokenLogprobs.empty(stream.logprobs))
+            ids = [t for token_ids, _ in logprobs for t in token_ids]
         if chat:
             return _json(ChatCompletionResponse(choices=[ChatChoice(
-                message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
+                message=AssistantMessage(content=text), finish_reason=last.finish_reason,
+                logprobs=None if whole is None else chat_logprobs(whole, ids,
+                                                                  self.token_strings))],
                 **common))
         return _json(CompletionResponse(choices=[CompletionChoice(
-            text=text, finish_reason=last.finish_reason)], **common))
+            text=text, finish_reason=last.finish_reason,
+            logprobs=None if whole is None else completion_logprobs(
+                whole, ids, self.token_strings, 0)[0])], **common))
 
     async def _events(self, stream: GenerationStream, chat: bool, stop: list[str],
                       include_usage: bool) -> AsyncIterator[bytes]:
         created, model = int(time.time()), self.gateway.model_name
+        text_offset = 0  # completions: where the next chunk's tokens start in the text
 
         def event(text: str, finish_reason: str | None, extras: DsparkExtras,
-                  usage: Usage | None, role: bool = False) -> bytes:
+                  usage: Usage | None, role: bool = False,
+                  logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> bytes:
             # model_construct: the values are ours and already valid; this runs once per
             # chunk of every stream, on the thread that also serves every other request.
             common = {"id": stream.request_id, "created": created, "model": model,
@@ -329,11 +358,13 @@ class RestApi:
                 delta = DeltaMessage.model_construct(role="assistant" if role else None,
                                                      content=text)
                 body = ChatCompletionChunk.model_construct(choices=[
-                    ChatChunkChoice.model_construct(delta=delta, finish_reason=finish_reason)],
+                    ChatChunkChoice.model_construct(delta=delta, finish_reason=finish_reason,
+                                                    logprobs=logprobs)],
                     **common)
             else:
                 body = CompletionResponse.model_construct(choices=[
-                    CompletionChoice.model_construct(text=text, finish_reason=finish_reason)],
+                    CompletionChoice.model_construct(text=text, finish_reason=finish_reason,
+                                                     logprobs=logprobs)],
                     **common)
             return _sse(body.model_dump_json())
 
@@ -353,7 +384,16 @@ class RestApi:
                     extras.spec_decode = _spec_metrics(piece.chunk)
                     if include_usage or not chat:
                         usage = _usage(piece.chunk)
-                events.append(event(piece.text, piece.finish_reason, extras, usage))
+                logprobs, asked = None, piece.logprobs()
+                if asked is not None:  # the logprobs of this chunk's tokens
+                    token_ids, values = asked
+                    if chat:
+                        logprobs = chat_logprobs(values, token_ids, self.token_strings)
+                    else:
+                        logprobs, text_offset = completion_logprobs(
+                            values, token_ids, self.token_strings, text_offset)
+                events.append(event(piece.text, piece.finish_reason, extras, usage,
+                                    logprobs=logprobs))
             yield b"".join(events)
         yield _sse("[DONE]")
 

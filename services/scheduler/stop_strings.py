@@ -13,13 +13,20 @@ class StopStrings:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         """Characters that could be the start of a stop string completed by the next chunk."""
         self._pending = ""
+        self.stop_end = 0
+        """Once `feed` found a stop string: how many characters of the text fed last reach to
+        its end (the stop string ends in that text: it was not complete before)."""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(the text that can be sent now, whether a stop string ended the output)."""
+        held = len(self._pending)
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self._pending.find(s), s) for s in self.stops)
+                if i >= 0]
         if hits:
-            out, self._pending = self._pending[:min(hits)], ""
+            start, end = min(hits)
+            out, self._pending = self._pending[:start], ""
+            self.stop_end = end - held
             return out, True
         cut = max(0, len(self._pending) - self._hold)
         out, self._pending = self._pending[:cut], self._pending[cut:]

@@ -84,7 +84,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         with self._span("verifier.prefill", context) as span:
             span.set_attribute("dspark.num_requests", len(request.items))
             try:
-                ids, prompts, params = self._check_prefill(request)
+                ids, prompts, params, logprobs = self._check_prefill(request)
             except ValueError as e:
                 self._abort_on(context, e)
             with self._lock:
@@ -93,7 +93,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     self._release_locked(rid)
                 generators = [p.generator() for p in params]
                 try:
-                    out = self.verifier.prefill(ids, prompts, params, generators)
+                    out = self.verifier.prefill(ids, prompts, params, generators, logprobs)
                 except (KVCacheFull, ValueError) as e:
                     self._abort_on(context, e)
                 for rid, g in zip(ids, generators):
@@ -106,9 +106,11 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                             f[start:], torch.arange(start, len(prompt)),
                             torch.tensor(prompt[start:], dtype=torch.int64)))
                 usage = self.verifier.kv_cache_usage
+            first_logprobs = out.logprobs or [None] * len(ids)
             results = [pb.verifier.PrefillResult(
                 first_token=int(t), features=pb.common.Tensor() if request.restore
-                else tensor_codec.encode(f)) for t, f in zip(out.first_tokens, out.features)]
+                else tensor_codec.encode(f), logprobs=messages.logprobs_to_pb(lp))
+                for t, f, lp in zip(out.first_tokens, out.features, first_logprobs)]
             return pb.verifier.PrefillReply(results=results, kv_cache_usage=usage)
 
     def _check_prefill(self, request):
@@ -120,7 +122,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                                  f"and a position in 0..{len(item.prompt_ids)}")
         return ([item.request_id for item in request.items],
                 [list(item.prompt_ids) for item in request.items],
-                [messages.sampling_from_pb(item.sampling) for item in request.items])
+                [messages.sampling_from_pb(item.sampling) for item in request.items],
+                [messages.num_top_from_pb(item) for item in request.items])
 
     def _check_prompts(self, items) -> None:
         """Prompts (whole, or chunks that may continue what the cache holds): a request id,
@@ -174,13 +177,18 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
             span.set_attribute("dspark.batch_tokens", out.batch_tokens)
             span.set_attribute("dspark.prefill_tokens", out.prefill_tokens)
             span.set_attribute("dspark.num_accepted", list(out.num_accepted))
+            logprobs = out.logprobs or [None] * len(out.output_tokens)
             results = [pb.verifier.VerifyResult(num_accepted=int(n), output_tokens=tokens,
-                                                features=tensor_codec.encode(f))
-                       for n, tokens, f in zip(out.num_accepted, out.output_tokens, out.features)]
+                                                features=tensor_codec.encode(f),
+                                                logprobs=messages.logprobs_to_pb(lp))
+                       for n, tokens, f, lp in zip(out.num_accepted, out.output_tokens,
+                                                   out.features, logprobs)]
             prefill = [] if out.prefill is None else [
                 pb.verifier.PrefillResult(first_token=-1 if t is None else int(t),
-                                          features=tensor_codec.encode(f))
-                for t, f in zip(out.prefill.first_tokens, out.prefill.features)]
+                                          features=tensor_codec.encode(f),
+                                          logprobs=messages.logprobs_to_pb(lp))
+                for t, f, lp in zip(out.prefill.first_tokens, out.prefill.features,
+                                    out.prefill.logprobs or [None] * len(request.prefill))]
             return pb.verifier.VerifyBatchReply(results=results, batch_tokens=out.batch_tokens,
                                                 step_seconds=out.step_seconds,
                                                 prefill_results=prefill,
@@ -193,7 +201,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
             self._generators[item.request_id] = params.generator()
         return PrefillChunk(item.request_id, list(item.prompt_ids), not item.more, params,
                             self._generators.get(item.request_id), continued=item.continued,
-                            hold_features=item.hold_features)
+                            hold_features=item.hold_features,
+                            logprobs=messages.num_top_from_pb(item))
 
     def _verify_request(self, item, runner) -> VerifyRequest:
         vocab = self.verifier.vocab_size
@@ -207,7 +216,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         return VerifyRequest(item.request_id, int(item.anchor_token), block, n,
                              messages.sampling_from_pb(item.sampling),
                              self._generators.get(item.request_id),
-                             hold_features=item.hold_features)
+                             hold_features=item.hold_features,
+                             logprobs=messages.num_top_from_pb(item))
 
     def TakeFeatures(self, request, context):
         with self._span("verifier.take_features", context) as span:

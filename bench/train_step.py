@@ -15,7 +15,8 @@ flags. The set-ups (`--setups`, comma-separated):
   bf16-b8-a128  bfloat16 teacher, 8 x 128
 Usage:
     .venv/bin/python bench/train_step.py [--data FILE] [--steps 4] [--warmup 1] [--threads 2]
-        [--teacher-cache] [--setups recipe,bf16,bf16-a128]
+        [--teacher-cache] [--setups recipe,bf16,bf16-a128] [--init-layers 28,29]
+        [--target-layers IDS] [--draft-vocab 8192]
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ LABELS = ("train::teacher", "train::target_probs", "train::drafter_forward", "tr
           "train::backward", "train::optimizer")
 
 
-def make_config(setup: dict, data: str, target: str, out: str, teacher_cache: bool) -> TrainConfig:
+def make_config(setup: dict, args: argparse.Namespace, target: str, out: str) -> TrainConfig:
+    init_layers = [int(i) for i in args.init_layers.split(",")]
+    target_layers = [int(i) for i in args.target_layers.split(",")] if args.target_layers else None
     return TrainConfig(
-        data_path=data, target_dir=target, out_dir=out, method=Method.MARKOV, num_layers=2,
-        gamma=7, markov_rank=64, draft_vocab_size=8192, init_layers_from=[28, 29],
-        markov_init="zero", inject_last_context=True, output_norm_lr_scale=30.0, steps=10_000,
-        lr=1e-3, warmup_steps=30, teacher_cache=teacher_cache, progress=False, log_every=10_000,
+        data_path=args.data, target_dir=target, out_dir=out, method=Method.MARKOV,
+        num_layers=len(init_layers), target_layer_ids=target_layers, gamma=7, markov_rank=64,
+        draft_vocab_size=args.draft_vocab, init_layers_from=init_layers, markov_init="zero",
+        inject_last_context=True, output_norm_lr_scale=30.0, steps=10_000, lr=1e-3,
+        warmup_steps=30, teacher_cache=args.teacher_cache, progress=False, log_every=10_000,
         save_every=10_000, device="cpu", **setup)
 
 
@@ -90,6 +94,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--init-layers", default="28,29",
+                        help="target layers the drafter's layers start from (their count is its depth)")
+    parser.add_argument("--target-layers", default=None,
+                        help="target layers whose features the drafter reads (default: spread)")
+    parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--teacher-cache", action="store_true",
                         help="time steps whose examples are all in the teacher cache (the cost "
                              "after the first epoch)")
@@ -99,14 +108,14 @@ def main() -> int:
     results = {}
     for name in args.setups.split(","):
         with tempfile.TemporaryDirectory() as out:
-            cfg = make_config(SETUPS[name], args.data, target, out, args.teacher_cache)
+            cfg = make_config(SETUPS[name], args, target, out)
             results[name] = time_setup(cfg, args.steps, args.warmup)
         r = results[name]
         print(f"{name:14s} {r['wall_ms_per_step']:8.0f} ms/step  {r['anchor_blocks_per_s']:7.1f} "
               f"blocks/s  {r['anchor_blocks_per_cpu_s']:7.1f} blocks/cpu-s  {r['ms_per_step']}",
               flush=True)
     base = results.get("recipe")
-    summary = {"machine": cpu_description(), "threads": args.threads, "steps": args.steps,
+    summary = {"bench": "train_step", "machine": cpu_description(), "threads": args.threads, "steps": args.steps,
                "teacher_cache": args.teacher_cache, "results": results}
     if base:
         summary["blocks_per_cpu_s_vs_recipe"] = {

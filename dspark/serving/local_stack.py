@@ -8,7 +8,9 @@ drains) and kills only after a timeout.
 
 from __future__ import annotations
 
+import http.client
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,11 +23,43 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+"""Every port `free_port` returned in this process: a stack asks for several before any service
+binds one, and the kernel may offer a port it just released again."""
+
+LOWEST_PORT = 10000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; IANA's elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 right now (another process may take it before we bind it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, for a service to bind a moment later.
+
+    Chosen at random below the kernel's ephemeral range, so that no outgoing connection (a gRPC
+    channel, a client) takes it as its local port in that moment, and never one this process
+    handed out before, so that the services of one stack never share a port. Another process may
+    still take it first; that is rare (one pick in about 20,000)."""
+    low, _ = ephemeral_port_range()
+    candidates = range(LOWEST_PORT, low) if low - LOWEST_PORT >= 1000 else None
+    for _ in range(200):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", random.choice(candidates) if candidates else 0))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _PORTS_HANDED_OUT:
+            _PORTS_HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port on 127.0.0.1")
 
 
 @dataclass
@@ -101,8 +135,8 @@ def wait_http(service: ServiceProcess, port: int, host: str = "127.0.0.1",
             with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return
-        except OSError:
-            pass
+        except (OSError, http.client.HTTPException):
+            pass  # not up yet, or another server holds the port: the service's exit says which
         if time.monotonic() > deadline:
             raise TimeoutError(f"{service.name} not serving on {port}:\n{service.log_text()}")
         time.sleep(0.2)

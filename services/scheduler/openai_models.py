@@ -76,7 +76,16 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
-    name: str | None = None
+    name: str | None = Field(None, description="Not supported (send null): the target's chat "
+                             "template has no place for a participant's name.")
+
+    @field_validator("name")
+    @classmethod
+    def _no_name(cls, name: str | None) -> None:
+        if name is not None:
+            raise invalid("messages[].name is not supported (the chat template has no names)",
+                          "messages")
+        return None
 
 
 UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {

@@ -141,6 +141,10 @@ def test_chat_top_logprobs_out_of_range_and_n_are_refused_by_name(stack):
     assert status == 400 and body["error"]["param"] == "top_logprobs"
     status, body = post(stack, "/v1/chat/completions", {**chat, "n": 3})
     assert status == 400 and body["error"]["param"] == "n"
+    named = [{"role": "user", "content": "t3", "name": "ada"}]
+    status, body = post(stack, "/v1/chat/completions", {**chat, "messages": named})
+    assert status == 400 and body["error"]["param"] == "messages"
+    assert "name is not supported" in body["error"]["message"]
 
 
 def test_body_over_the_limit_is_a_413_before_it_is_sent(stack):

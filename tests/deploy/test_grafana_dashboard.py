@@ -84,3 +84,11 @@ def test_monitoring_profile_provisions_the_dashboard():
     assert source["uid"] == json.loads(DASHBOARD.read_text())["panels"][0]["datasource"]["uid"]
     scrape = yaml.safe_load((REPO_ROOT / "deploy/prometheus/prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["scheduler:8000"]
+
+
+def test_monitoring_ports_listen_on_loopback_and_images_are_pullable_by_default():
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
+    for name, default in (("prometheus", "prom/prometheus:"), ("grafana", "grafana/grafana:")):
+        assert all(str(p).startswith("127.0.0.1:") for p in compose[name]["ports"]), name
+        image = compose[name]["image"]  # ${VAR:-default}: the default is a public image
+        assert image.startswith("${") and f":-{default}" in image, image

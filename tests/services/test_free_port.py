@@ -19,4 +19,3 @@ def test_ports_lie_below_the_ephemeral_range():
     assert LOWEST_PORT < low <= high
     if low - LOWEST_PORT >= 1000:
         assert all(LOWEST_PORT <= free_port() < low for _ in range(50))
-

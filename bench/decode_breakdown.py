@@ -26,6 +26,7 @@ from target_decode import EVAL_DIR, chat_prompts  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.paged_attention import PROFILER_LABEL  # noqa: E402
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner  # noqa: E402
+from dspark.models.transformer import AttentionImpl  # noqa: E402
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
 ATTENTION_OPS = (PROFILER_LABEL, "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -45,13 +46,19 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--attention", default=None, choices=[a.value for a in AttentionImpl],
+                        help="attention implementation (default: the runner's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_model()
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), args.streams, args.eval_dir)
-    runner = TargetRunner(model_dir, RunnerConfig())
+    attention = AttentionImpl(args.attention) if args.attention else None
+    kv_tokens = sum(len(p) for p in prompts) + args.streams * (args.steps + args.profile_steps + 16)
+    runner = TargetRunner(model_dir, RunnerConfig(dtype=args.dtype, attention=attention,
+                                                  kv_cache_tokens=max(16384, kv_tokens)))
     with torch.inference_mode():
         prefill_seconds = []
         for rep in range(3):  # the first one warms up
@@ -85,7 +92,7 @@ def main() -> int:
     prefill = statistics.median(prefill_seconds[1:])
     step_ms = 1000 * statistics.median(step_seconds)
     print(f"{args.streams} prompts, {sum(len(p) for p in prompts)} prompt tokens, "
-          f"{args.threads} threads\n")
+          f"{args.threads} threads, {args.dtype}, attention {runner.attention.value}\n")
     print("| part | time |")
     print("|---|---:|")
     print(f"| prefill of all prompts | {prefill:.2f} s |")
@@ -93,6 +100,7 @@ def main() -> int:
     for name, ms in groups.items():
         print(f"| - {name} (profiler self time per step) | {ms:.1f} ms |")
     print(json.dumps({"bench": "decode_breakdown", "streams": args.streams, "threads": args.threads,
+                      "dtype": args.dtype, "attention": runner.attention.value,
                       "prompt_tokens": sum(len(p) for p in prompts),
                       "prefill_seconds": round(prefill, 3), "step_ms": round(step_ms, 1),
                       "profile_ms_per_step": {k: round(v, 1) for k, v in groups.items()}}))

@@ -13,6 +13,7 @@ flags. The set-ups (`--setups`, comma-separated):
   bf16          bfloat16 teacher, 4 x 32
   bf16-a128     bfloat16 teacher, 4 x 128 anchors (more blocks per teacher pass)
   bf16-b8-a128  bfloat16 teacher, 8 x 128
+  bf16-a128-student  bfloat16 teacher and bfloat16 autocast of the drafter, 4 x 128
 Usage:
     .venv/bin/python bench/train_step.py [--data FILE] [--steps 4] [--warmup 1] [--threads 2]
         [--teacher-cache] [--setups recipe,bf16,bf16-a128] [--init-layers 28,29]
@@ -44,6 +45,8 @@ SETUPS = {
     "bf16": dict(target_dtype="bfloat16", batch_size=4, num_anchors=32),
     "bf16-a128": dict(target_dtype="bfloat16", batch_size=4, num_anchors=128),
     "bf16-b8-a128": dict(target_dtype="bfloat16", batch_size=8, num_anchors=128),
+    "bf16-a128-student": dict(target_dtype="bfloat16", student_dtype="bfloat16", batch_size=4,
+                              num_anchors=128),
 }
 LABELS = ("train::teacher", "train::target_probs", "train::drafter_forward", "train::losses",
           "train::backward", "train::optimizer")

@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
 # The DSpark drafter trained on every answer file the project has, in the background and
 # resumably: run it again after any stop and it continues exactly (optimizer, schedule, data
-# order) from runs/campaign/dspark-markov/checkpoint (saved every 50 steps). It starts from the
-# shipped checkpoints/dspark-markov, with a bfloat16 teacher (the target's forward is most of a
-# step) whose outputs are cached in memory, 4 answers x 128 anchor blocks a step, and logs the
-# held-out acceptance (greedy and T=1, 64 held-out greedy answers) every 100 steps to
-# heldout_log.jsonl: the learning curve (scripts/learning_curve.py draws it).
+# order) from $CAMPAIGN/dspark-markov/checkpoint (saved every 50 steps). $CAMPAIGN (default
+# ~/.cache/dspark/campaign) lies outside the work tree, so a machine that is kept keeps it when the
+# checkout is laid anew. It starts from the shipped checkpoints/dspark-markov, with a bfloat16
+# teacher whose outputs are cached in memory and the drafter's forward/backward under bf16
+# autocast (1.5x the anchor blocks per second on an AMX-BF16 CPU, bench/train_step.py),
+# 4 answers x 128 anchor blocks a step, and logs the held-out acceptance (greedy and T=1, 64
+# held-out greedy answers) every EVAL_EVERY steps to heldout_log.jsonl: the learning curve
+# (scripts/learning_curve.py draws it).
 #   nohup bash scripts/drafter_campaign.sh > runs/drafter_campaign.log 2>&1 &
-# STEPS (default 2400) sets the schedule's length; THREADS (default 2) torch's threads.
+#   .venv/bin/python scripts/export_drafter.py ~/.cache/dspark/campaign/dspark-markov checkpoints/dspark-markov
+# STEPS (default 1400) sets the schedule's length, THREADS (default 1) torch's threads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 renice -n 10 $$ >/dev/null
-OUT=runs/campaign/dspark-markov
-mkdir -p runs/campaign
-# The growing answer file is copied once, so that a resumed run reads the same examples.
-[ -f runs/campaign/greedy_answers.jsonl.gz ] || cp data/answers/greedy.jsonl.gz runs/campaign/greedy_answers.jsonl.gz
-DATA=../shared/data/answers/smollm2_greedy_fp32.jsonl.gz,data/smollm2_answers_t1.jsonl.gz,data/smollm2_answers.jsonl.gz,runs/campaign/greedy_answers.jsonl.gz
+CAMPAIGN=${CAMPAIGN:-$HOME/.cache/dspark/campaign}
+OUT=$CAMPAIGN/dspark-markov
+mkdir -p "$CAMPAIGN"
+# The growing answer files are copied once, so that a resumed run reads the same examples.
+for name in greedy t1; do
+  [ -f "$CAMPAIGN/${name}_answers.jsonl.gz" ] || cp "data/answers/$name.jsonl.gz" "$CAMPAIGN/${name}_answers.jsonl.gz"
+done
+DATA=../shared/data/answers/smollm2_greedy_fp32.jsonl.gz,data/smollm2_answers_t1.jsonl.gz,data/smollm2_answers.jsonl.gz
+DATA=$DATA,$CAMPAIGN/greedy_answers.jsonl.gz,$CAMPAIGN/t1_answers.jsonl.gz
 T=$(.venv/bin/python -c "from dspark.fetch import ensure_model; print(ensure_model())")
 exec .venv/bin/dspark train --data "$DATA" --target "$T" --out "$OUT" \
   --method markov --layers 2 --markov-rank 64 --gamma 7 --draft-vocab 8192 --inject-last-context \
   --output-norm-lr-scale 30 --init-from-drafter checkpoints/dspark-markov \
-  --steps "${STEPS:-2400}" --warmup 30 --lr 1e-3 --batch 4 --anchors 128 \
-  --target-dtype bfloat16 --teacher-cache --teacher-cache-gb 6 \
-  --log-every 10 --save-every 50 --eval-every 100 --eval-examples 64 --eval-anchors 64 \
-  --threads "${THREADS:-2}" --no-progress
+  --steps "${STEPS:-1400}" --warmup 30 --lr 1e-3 --batch 4 --anchors 128 \
+  --target-dtype bfloat16 --student-dtype bfloat16 --teacher-cache --teacher-cache-gb 6 \
+  --log-every 10 --save-every 50 --eval-every "${EVAL_EVERY:-200}" --eval-examples 64 --eval-anchors 64 \
+  --threads "${THREADS:-1}" --no-progress

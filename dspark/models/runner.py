@@ -26,7 +26,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import KVCacheFull, PagedKVCache, RequestId
 from dspark.models.loader import load_model, resolve_dtype
 from dspark.models.packed_linear import packing_available
-from dspark.models.paged_attention import cpu_kernel_available
+from dspark.models.paged_attention import LONG_QUERY_MIN_TOKENS, cpu_kernel_available
 from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
 
 __all__ = ["RunnerConfig", "ForwardItem", "ForwardOutput", "TargetRunner", "KVCacheFull",
@@ -356,8 +356,26 @@ class TargetRunner:
             query_start=query_start.to(device),
             query_lens_t=q_lens.to(device),
             context_lens_t=ctx_lens.to(device),
+            long_queries=[(start, q_len, ctx_len, slots.to(device)) for start, q_len, ctx_len, slots
+                          in long_queries(query_lens, context_lens, block_tables, block_size)],
         )
         return batch, logit_rows
+
+
+def long_queries(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
+                 block_size: int, min_len: int = LONG_QUERY_MIN_TOKENS
+                 ) -> list[tuple[int, int, int, torch.Tensor]]:
+    """(first token row, new tokens, context length, context cache slots [context_len] int64) of
+    the requests with at least `min_len` new tokens: the rule the PAGED kernel applies to skip
+    them. block_tables [num_requests, max_blocks] int64 (CPU)."""
+    spans, start = [], 0
+    for r, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
+        if q_len >= min_len:
+            pos = torch.arange(ctx_len)
+            slots = block_tables[r, pos // block_size] * block_size + pos % block_size  # [ctx_len]
+            spans.append((start, q_len, ctx_len, slots))
+        start += q_len
+    return spans
 
 
 def default_attention(device: torch.device) -> AttentionImpl:

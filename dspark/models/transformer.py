@@ -51,7 +51,8 @@ from torch import nn
 from dspark.models.config import ModelConfig
 from dspark.models.kv_cache import PagedKVCache
 from dspark.models.packed_linear import pack_weight, packed_linear
-from dspark.models.paged_attention import paged_attention, padded_attention
+from dspark.models.paged_attention import (LONG_QUERY_MIN_TOKENS, long_query_attention,
+                                           paged_attention, padded_attention)
 
 
 class AttentionImpl(enum.Enum):
@@ -108,6 +109,10 @@ class FlatBatch:
     """PADDED: int64 [num_requests], `query_lens` on the device."""
     context_lens_t: torch.Tensor | None = None
     """PAGED / PADDED: int64 [num_requests], `context_lens` on the device."""
+    long_queries: list[tuple[int, int, int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """PAGED: (first token row, new tokens, context length, context cache slots [context_len]
+    int64) of each request with at least `LONG_QUERY_MIN_TOKENS` new tokens (the kernel skips
+    them; SDPA runs them, `long_query_attention`)."""
     block_mask: torch.Tensor | None = None
     """BLOCK_DIAGONAL: bool [group * num_tokens, num_context_blocks * block_size]."""
     unused_rows: torch.Tensor | None = None
@@ -286,7 +291,10 @@ class Attention(nn.Module):
         cache.write(layer, batch.slot_mapping, k, v)
         if impl is AttentionImpl.PAGED:
             out = paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
-                                  batch.query_start, batch.context_lens_t, self.scale)
+                                  batch.query_start, batch.context_lens_t, self.scale,
+                                  LONG_QUERY_MIN_TOKENS)
+            long_query_attention(out, q, k, v, cache.k[layer], cache.v[layer], batch.long_queries,
+                                 self.scale)
         elif impl is AttentionImpl.PADDED:
             out = padded_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
                                    batch.query_lens_t, batch.context_lens_t, self.scale,

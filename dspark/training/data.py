@@ -17,9 +17,10 @@ many times the throughput there. `--time-budget-s` stops starting new batches af
 
 Output: one JSON object per answered prompt, appended to a `.jsonl` as soon as it finishes, so an
 interrupted run resumes where it stopped (prompts already in the file are skipped):
-`{"id", "source", "split", "prompt_ids", "answer_ids", "finished", "temperature"}`, where `split` is
-`train` or `heldout` (a deterministic hash of the id; the held-out split calibrates the confidence
-head) and `temperature` is the sampling temperature the answer was drawn at (0: greedy).
+`{"id", "source", "split", "prompt_ids", "answer_ids", "finished", "temperature", "dtype"}`, where
+`split` is `train` or `heldout` (a deterministic hash of the id; the held-out split calibrates the
+confidence head), `temperature` is the sampling temperature the answer was drawn at (0: greedy)
+and `dtype` the target's weights' dtype (records written before it existed were float32).
 """
 
 from __future__ import annotations
@@ -323,7 +324,8 @@ def run_generation(config: DataGenConfig) -> dict:
                                 "split": split_of(p.id, config.heldout_fraction),
                                 "prompt_ids": prompt_ids[key], "answer_ids": answer,
                                 "finished": finished,
-                                "temperature": config.sampling.temperature}) + "\n")
+                                "temperature": config.sampling.temperature,
+                                "dtype": config.dtype}) + "\n")
             f.flush()
             new_tokens += len(answer)
             bar.update(1)

@@ -78,6 +78,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d["device"].default, help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16"],
                         default=d["target_dtype"].default)
+    parser.add_argument("--student-dtype", choices=["float32", "bfloat16"],
+                        default=d["student_dtype"].default,
+                        help="the drafter's forward/backward: bfloat16 = autocast (float32 weights)")
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"],
                         default=d["save_dtype"].default)
     parser.add_argument("--log-every", type=int, default=d["log_every"].default)
@@ -114,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_clip=args.grad_clip, ce_weight=args.ce_weight, tv_weight=args.tv_weight,
         conf_weight=args.conf_weight, loss_decay=args.loss_decay,
         target_temperature=args.target_temperature, seed=args.seed, device=args.device,
-        target_dtype=args.target_dtype, save_dtype=args.save_dtype, log_every=args.log_every,
+        target_dtype=args.target_dtype, student_dtype=args.student_dtype, save_dtype=args.save_dtype, log_every=args.log_every,
         save_every=args.save_every, eval_every=args.eval_every,
         eval_examples=args.eval_examples, eval_anchors=args.eval_anchors, resume=not args.no_resume, progress=not args.no_progress,
         teacher_cache=args.teacher_cache, teacher_cache_gb=args.teacher_cache_gb,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.models.paged_attention import (cpu_kernel_available, padded_attention, paged_attention,
-                                           reference_attention)
+from dspark.models.paged_attention import (cpu_kernel_available, long_query_attention,
+                                           padded_attention, paged_attention, reference_attention)
+from dspark.models.runner import long_queries
 
 BLOCK_SIZE = 4
 
@@ -51,6 +52,32 @@ def test_cpu_kernel_equals_per_request_sdpa(case, heads, dtype, tol):
     expected = reference_attention(q, k, v, tables, query_lens, context_lens, scale).float()
     got = paged_attention(q, k, v, block_tables, query_start, torch.tensor(context_lens), scale)
     assert got.shape == q.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_long_queries_through_sdpa_equal_per_request_sdpa(dtype, tol):
+    """The kernel skips the requests with at least `min_len` new tokens and SDPA fills them in:
+    together the same attention as the reference, for a batch that mixes whole prompts (long and
+    short), continued prompts (context partly cached, long and short) and decode steps."""
+    min_len = 6
+    query_lens, context_lens = [1, 9, 5, 7, 1, 6, 3], [14, 9, 5, 19, 3, 6, 11]
+    q, k_cache, v_cache, tables, block_tables, query_start = make_case(
+        query_lens, context_lens, 9, 3, dtype)
+    spans = long_queries(query_lens, context_lens, block_tables, BLOCK_SIZE, min_len)
+    assert [(start, q_len, ctx_len) for start, q_len, ctx_len, _ in spans] == [
+        (1, 9, 9), (15, 7, 19), (23, 6, 6)]
+    # this pass's keys and values: the cache slots of each request's new tokens
+    new_slots = [tables[r][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                 for r, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens))
+                 for p in range(ctx_len - q_len, ctx_len)]
+    k_new, v_new = k_cache.flatten(0, 1)[new_slots], v_cache.flatten(0, 1)[new_slots]
+    scale = 8 ** -0.5
+    expected = reference_attention(q, k_cache, v_cache, tables, query_lens, context_lens, scale).float()
+    got = paged_attention(q, k_cache, v_cache, block_tables, query_start, torch.tensor(context_lens),
+                          scale, long_min_q_len=min_len)
+    long_query_attention(got, q, k_new, v_new, k_cache, v_cache, spans, scale)
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
 

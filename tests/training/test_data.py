@@ -201,7 +201,8 @@ def test_cli_samples_as_told_and_skips_prompts_of_excluded_files(tmp_path, smoll
     assert data.run(args) == 0
     records = list(read_records(out))
     assert sorted(r["id"] for r in records) == ["gsm8k-1", "gsm8k-3", "gsm8k-5"]
-    assert all(r["temperature"] == 0.0 for r in records)  # each record says how it was sampled
+    # each record says how it was sampled, and by weights of which dtype
+    assert all(r["temperature"] == 0.0 and r["dtype"] == "float32" for r in records)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["answers"] == 3
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     for r in records:

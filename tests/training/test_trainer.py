@@ -63,6 +63,26 @@ def test_loss_goes_down(target_dir, data_path, tmp_path):
     assert json.loads((tmp_path / "train_config.json").read_text())["method"] == "markov"
 
 
+def test_bf16_student_trains_float32_weights_close_to_the_float32_student(target_dir, data_path,
+                                                                           tmp_path):
+    """Under bf16 autocast the drafter's weights, gradients and losses stay float32, the loss goes
+    down as in float32, and the first step's losses agree with the float32 student's to bf16
+    rounding."""
+    first = {}
+    for dtype in ("float32", "bfloat16"):
+        trainer = Trainer(config(target_dir, data_path, tmp_path / dtype, student_dtype=dtype))
+        first[dtype] = trainer.compute_losses(trainer._next_batch())
+        if dtype == "bfloat16":
+            trainer.run()
+            assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+            log = read_log(tmp_path / dtype / "train_log.jsonl")
+            assert sum(r["loss"] for r in log[-5:]) < 0.8 * sum(r["loss"] for r in log[:5])
+    assert first["bfloat16"].total.dtype == torch.float32
+    torch.testing.assert_close(first["bfloat16"].total, first["float32"].total, rtol=0.05, atol=0.02)
+    with pytest.raises(ValueError, match="student_dtype"):
+        config(target_dir, data_path, tmp_path, student_dtype="float16")
+
+
 @pytest.mark.parametrize("teacher_cache", [False, True])
 def test_resume_continues_identically(target_dir, data_path, tmp_path, teacher_cache):
     kw = dict(steps=8, save_every=4, teacher_cache=teacher_cache)

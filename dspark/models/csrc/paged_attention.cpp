@@ -13,7 +13,11 @@
 //   block_tables  [R, max_blocks] int64          request r's blocks in order (unused tail: any value)
 //   query_start   [R + 1] int64                  request r owns q rows query_start[r] .. query_start[r+1]-1
 //   context_lens  [R] int64                      cached + new tokens of request r
-//   out           [T, H, D]                      written
+//   out           [T, H, D]                      written (rows of skipped requests: left as they are)
+//   long_min_q_len  a request with at least this many new tokens (a prompt chunk) is skipped, its
+//                 rows left to the caller (0: none is skipped): SDPA's flash kernel runs such a
+//                 long causal attention faster than this kernel's per-(request, KV head) loops,
+//                 which are made for the few new tokens of decode and verification.
 // New token i of request r (0-based among its q_len new tokens) sits at position
 // context_len - q_len + i and attends to positions 0 .. that position.
 //
@@ -26,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -41,11 +46,21 @@ inline void load_row<float>(const float* src, float* dst, int64_t n) {
   std::copy(src, src + n, dst);
 }
 
+// bf16 is the upper half of a float32: widening is a shift of the raw bits, which the compiler
+// vectorises (c10's element-wise conversion does not).
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+}
+
 template <typename scalar_t>
 void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& query_start, const torch::Tensor& context_lens,
-                            double scale, torch::Tensor& out) {
+                            double scale, int64_t long_min_q_len, torch::Tensor& out) {
   const int64_t num_requests = context_lens.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
@@ -77,6 +92,7 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
       const int64_t q_len = starts[r + 1] - q_first;
       const int64_t ctx_len = ctx_lens[r];
       if (q_len == 0) continue;
+      if (long_min_q_len > 0 && q_len >= long_min_q_len) continue;
       const int64_t num_rows = q_len * group;  // query rows of this (request, KV head)
       const int64_t first_pos = ctx_len - q_len;
       // queries [num_rows, head_dim] in float32, row j = (new token j / group, head h*group + j % group)
@@ -146,7 +162,7 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& query_start, const torch::Tensor& context_lens,
-                              double scale) {
+                              double scale, int64_t long_min_q_len) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [T,H,D], caches [NB,BS,KVH,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
@@ -178,7 +194,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   }
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    paged_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, out);
+    paged_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, long_min_q_len, out);
   });
   return out;
 }

@@ -21,9 +21,10 @@
 // New token i of request r (0-based among its q_len new tokens) sits at position
 // context_len - q_len + i and attends to positions 0 .. that position.
 //
-// Arithmetic in float32 whatever the storage dtype: scores q.k * scale, a max-subtracted softmax
-// over each query's visible positions, then the softmax-weighted sum of values. Equal to SDPA's
-// math up to float rounding (another summation order).
+// Arithmetic in float32 whatever the storage dtype: scores (q * scale).k, a max-subtracted
+// softmax over each query's visible positions (exp by a polynomial as accurate as float32's
+// rounding, so that it vectorises), then the softmax-weighted sum of values. Equal to SDPA's math
+// up to float rounding (another summation order).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -55,6 +57,37 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
 }
+
+// exp(x) for x <= 0 (softmax after subtracting the row maximum), written so that the compiler
+// vectorises a loop of it: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial
+// (relative error below 2e-7, about float32 rounding), 2^n put into the exponent bits. Below
+// -87.3 (where exp underflows float32's normal range) it returns 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// Rows of a (request, KV head) from which scores are computed against transposed key tiles: the
+// transposition of each tile is then shared by enough rows to pay for itself (verification blocks
+// and prefill chunks); below it (decode: one new token times the query heads of a group) each
+// key row is dotted with the few query rows directly.
+constexpr int64_t kTileRows = 8;
+// Positions per key tile: one AVX-512 register of float32 (two AVX2 ones).
+constexpr int64_t kTile = 16;
 
 template <typename scalar_t>
 void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -84,7 +117,7 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries, scores, accum, row(head_dim);
+    std::vector<float> queries, scores, accum, row(head_dim), key_tile(head_dim * kTile);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / num_kv_heads;
       const int64_t h = task % num_kv_heads;
@@ -95,53 +128,84 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
       if (long_min_q_len > 0 && q_len >= long_min_q_len) continue;
       const int64_t num_rows = q_len * group;  // query rows of this (request, KV head)
       const int64_t first_pos = ctx_len - q_len;
-      // queries [num_rows, head_dim] in float32, row j = (new token j / group, head h*group + j % group)
+      const int64_t stride = (ctx_len + kTile - 1) / kTile * kTile;  // of a row of scores
+      const int64_t* table = tables + r * max_blocks;
+      auto slot = [&](int64_t pos) {
+        return table[pos / block_size] * kv_block_stride + (pos % block_size) * kv_slot_stride + h * head_dim;
+      };
+      // queries [num_rows, head_dim] in float32, times the scale; row j = (new token j / group,
+      // head h*group + j % group)
       queries.resize(num_rows * head_dim);
       for (int64_t j = 0; j < num_rows; ++j) {
         const scalar_t* src = q_ptr + (q_first + j / group) * q_token_stride + (h * group + j % group) * head_dim;
-        load_row(src, queries.data() + j * head_dim, head_dim);
+        float* dst = queries.data() + j * head_dim;
+        load_row(src, dst, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] *= fscale;
       }
-      // scores [num_rows, ctx_len]; row j sees positions 0 .. first_pos + j / group
-      scores.resize(num_rows * ctx_len);
-      const int64_t* table = tables + r * max_blocks;
-      for (int64_t pos = 0; pos < ctx_len; ++pos) {
-        const scalar_t* k_src = k_ptr + table[pos / block_size] * kv_block_stride +
-                                (pos % block_size) * kv_slot_stride + h * head_dim;
-        load_row(k_src, row.data(), head_dim);
-        // rows that see `pos`: new token index i >= pos - first_pos
-        const int64_t first_row = std::max<int64_t>(0, pos - first_pos) * group;
-        for (int64_t j = first_row; j < num_rows; ++j) {
-          const float* __restrict qj = queries.data() + j * head_dim;
-          const float* __restrict kr = row.data();
-          float dot = 0.f;
+      // scores [num_rows, stride]; row j sees positions 0 .. first_pos + j / group
+      scores.resize(num_rows * stride);
+      if (num_rows < kTileRows) {
+        for (int64_t pos = 0; pos < ctx_len; ++pos) {
+          load_row(k_ptr + slot(pos), row.data(), head_dim);
+          // rows that see `pos`: new token index i >= pos - first_pos
+          const int64_t first_row = std::max<int64_t>(0, pos - first_pos) * group;
+          for (int64_t j = first_row; j < num_rows; ++j) {
+            const float* __restrict qj = queries.data() + j * head_dim;
+            const float* __restrict kr = row.data();
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * kr[d];
-          scores[j * ctx_len + pos] = dot * fscale;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * kr[d];
+            scores[j * stride + pos] = dot;
+          }
+        }
+      } else {
+        for (int64_t tile = 0; tile < ctx_len; tile += kTile) {
+          // key_tile [head_dim, kTile]: the tile's keys transposed, so that a query's scores
+          // against it are head_dim multiply-adds of kTile-wide vectors, with no horizontal sums
+          const int64_t width = std::min(kTile, ctx_len - tile);
+          for (int64_t t = 0; t < width; ++t) {
+            load_row(k_ptr + slot(tile + t), row.data(), head_dim);
+            for (int64_t d = 0; d < head_dim; ++d) key_tile[d * kTile + t] = row[d];
+          }
+          for (int64_t t = width; t < kTile; ++t)
+            for (int64_t d = 0; d < head_dim; ++d) key_tile[d * kTile + t] = 0.f;
+          const int64_t first_row = std::max<int64_t>(0, tile - first_pos) * group;
+          for (int64_t j = first_row; j < num_rows; ++j) {
+            const float* __restrict qj = queries.data() + j * head_dim;
+            float acc[kTile] = {0.f};
+            for (int64_t d = 0; d < head_dim; ++d) {
+              const float qd = qj[d];
+              const float* __restrict kd = key_tile.data() + d * kTile;
+#pragma omp simd
+              for (int64_t t = 0; t < kTile; ++t) acc[t] += qd * kd[t];
+            }
+            std::copy(acc, acc + kTile, scores.data() + j * stride + tile);
+          }
         }
       }
       // softmax per row over its visible positions, in place
       for (int64_t j = 0; j < num_rows; ++j) {
         const int64_t visible = first_pos + j / group + 1;
-        float* s = scores.data() + j * ctx_len;
+        float* __restrict s = scores.data() + j * stride;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t p = 0; p < visible; ++p) mx = std::max(mx, s[p]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < visible; ++p) {
-          s[p] = std::exp(s[p] - mx);
+          s[p] = exp_nonpositive(s[p] - mx);
           sum += s[p];
         }
         const float inv = 1.f / sum;
+#pragma omp simd
         for (int64_t p = 0; p < visible; ++p) s[p] *= inv;
       }
       // accum [num_rows, head_dim] = weights @ values
       accum.assign(num_rows * head_dim, 0.f);
       for (int64_t pos = 0; pos < ctx_len; ++pos) {
-        const scalar_t* v_src = v_ptr + table[pos / block_size] * kv_block_stride +
-                                (pos % block_size) * kv_slot_stride + h * head_dim;
-        load_row(v_src, row.data(), head_dim);
+        load_row(v_ptr + slot(pos), row.data(), head_dim);
         const int64_t first_row = std::max<int64_t>(0, pos - first_pos) * group;
         for (int64_t j = first_row; j < num_rows; ++j) {
-          const float w = scores[j * ctx_len + pos];
+          const float w = scores[j * stride + pos];
           float* __restrict acc = accum.data() + j * head_dim;
           const float* __restrict vr = row.data();
 #pragma omp simd

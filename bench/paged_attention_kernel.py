@@ -1,0 +1,99 @@
+"""The block-table attention kernel alone, against the memory it must read: is decode attention
+bound by arithmetic or by memory traffic on this CPU?
+
+One layer of SmolLM2's attention shape (9 query heads, 3 KV heads, head_dim 64, KV blocks of 16)
+for `--streams` requests with `--context` cached tokens each, their blocks scattered over the
+cache in a random order, as in a long-running server. Each row times one kernel call for
+`--new-tokens` new tokens per request (1: a decode step; 8: a verification block), and beside it
+the time to copy the same K/V bytes (a contiguous `clone` of that much cache: the memory ceiling
+of this core, measured in the same run). *kernel GB/s* is the K/V bytes the call reads over its
+time; when it nears the copy rate, a faster kernel cannot help much and only fewer bytes (bf16 KV,
+more threads, fewer layers) can. Prints a table with the CPU model and flags and ends with one
+JSON line. Usage:
+    .venv/bin/python bench/paged_attention_kernel.py [--streams 16,128] [--context 128]
+        [--new-tokens 1,8] [--dtypes float32,bfloat16] [--threads 1] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from target_decode import cpu_description  # noqa: E402
+
+from dspark.models.paged_attention import cpu_kernel_available, paged_attention  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    blocks_each = -(-context // BLOCK_SIZE)
+    num_blocks = streams * blocks_each + 1
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)[:streams * blocks_each]
+    block_tables = order.view(streams, blocks_each).contiguous()  # [R, blocks_each]
+    query_start = torch.arange(streams + 1) * new_tokens  # [R + 1]
+    context_lens = torch.full((streams,), context)  # [R]
+    q = torch.randn(streams * new_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    kernel = median_seconds(lambda: paged_attention(q, k_cache, v_cache, block_tables, query_start,
+                                                    context_lens, HEAD_DIM ** -0.5), repeats)
+    kv_bytes = 2 * streams * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    # The same bytes as one contiguous tensor, copied: what this core's memory moves per second.
+    flat = torch.randn(kv_bytes // k_cache.element_size(), generator=gen).to(dtype)
+    copy = median_seconds(flat.clone, repeats)
+    return {"streams": streams, "context": context, "new_tokens": new_tokens,
+            "dtype": str(dtype).removeprefix("torch."), "kernel_ms": round(1000 * kernel, 3),
+            "kv_mb": round(kv_bytes / 2**20, 2), "kernel_gb_s": round(kv_bytes / kernel / 1e9, 2),
+            "copy_gb_s": round(kv_bytes / copy / 1e9, 2)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", default="16,128")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--new-tokens", default="1,8")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    if not cpu_kernel_available():
+        print("the paged attention CPU kernel does not build here (no C++ compiler)")
+        return 1
+    torch.set_num_threads(args.threads)
+    cpu = cpu_description()
+    rows = [time_case(s, args.context, n, getattr(torch, d), args.repeats)
+            for d in args.dtypes.split(",") for s in map(int, args.streams.split(","))
+            for n in map(int, args.new_tokens.split(","))]
+    print(f"CPU: {cpu['cpu']}, flags {' '.join(cpu['flags'])}; {args.threads} thread(s); "
+          f"context {args.context} tokens a stream\n")
+    print("| dtype | streams | new tokens | kernel ms (one layer) | K/V MB | kernel GB/s | copy GB/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['streams']} | {r['new_tokens']} | {r['kernel_ms']} | "
+              f"{r['kv_mb']} | {r['kernel_gb_s']} | {r['copy_gb_s']} |")
+    print(json.dumps({"bench": "paged_attention_kernel", "cpu": cpu["cpu"], "flags": cpu["flags"],
+                      "threads": args.threads, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,7 +5,10 @@ writes one CSV row per point (method, step, anchor-blocks seen, tau and acceptan
 greedy and T=1) and a PNG with tau (greedy and T=1) against anchor-blocks seen, one line per run.
     .venv/bin/python scripts/learning_curve.py runs/campaign/dspark-markov [more run folders] \
         --csv docs/results/drafter_learning_curve.csv --png docs/results/drafter_learning_curve.png
-A run folder's name is its label.
+A run folder's name is its label. With `--chain` the runs continue one another (each started from
+the drafter the one before ended with, e.g. a campaign's phases): their steps and anchor blocks
+add up along one curve, and each later run's first point (the drafter it started from, already the
+previous run's last) is dropped.
 """
 
 from __future__ import annotations
@@ -21,13 +24,32 @@ def read_points(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in lines if ln.strip()]
 
 
+def chain(runs: list[list[dict]]) -> list[dict]:
+    """One curve from runs that continue one another: a later run's steps and anchor blocks are
+    offset by the end of the one before, and its first point (the same drafter) is dropped."""
+    out = list(runs[0])
+    for points in runs[1:]:
+        step0, blocks0, seqs0 = (out[-1][k] for k in ("step", "anchor_blocks_seen", "sequences_seen"))
+        for p in points:
+            if p["step"] == 0:
+                continue
+            out.append({**p, "step": step0 + p["step"],
+                        "anchor_blocks_seen": blocks0 + p["anchor_blocks_seen"],
+                        "sequences_seen": seqs0 + p["sequences_seen"]})
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--csv", type=Path, required=True)
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--chain", action="store_true",
+                        help="the runs continue one another: one curve, steps and blocks added up")
     args = parser.parse_args()
     curves = {run.name: read_points(run) for run in args.runs}
+    if args.chain:
+        curves = {"+".join(curves): chain(list(curves.values()))}
     gamma = max(len(p["accept_t1"]) for points in curves.values() for p in points)
     fields = ["run", "step", "anchor_blocks_seen", "sequences_seen", "train_answer_tokens",
               "tau_greedy", "tau_t1"] + [f"accept_greedy_k{k}" for k in range(1, gamma + 1)] \
@@ -55,7 +77,7 @@ def main() -> int:
             x = [p["anchor_blocks_seen"] for p in points]
             ax.plot(x, [p["tau_greedy"] for p in points], marker="o", label=f"{name}, greedy")
             ax.plot(x, [p["tau_t1"] for p in points], marker="s", ls="--", label=f"{name}, T=1")
-        ax.set_xlabel("anchor blocks seen (this run)")
+        ax.set_xlabel("anchor blocks seen")
         ax.set_ylabel("held-out tau (teacher-forced, full block)")
         ax.grid(alpha=0.3)
         ax.legend()

@@ -149,7 +149,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from dspark.evaluation.eval_cli import read_eval_prompts, stop_token_ids
-    from dspark.evaluation.loading import load_method_drafter, load_target
+    from dspark.loading import load_method_drafter, load_target
     from dspark.fetch import ensure_model
     from dspark.models.drafter_config import DrafterConfig
     from dspark.training.data import encode_chat

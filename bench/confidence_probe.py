@@ -137,7 +137,7 @@ def main() -> int:
 
     from dspark.evaluation.calibrate_cli import heldout_prompts
     from dspark.evaluation.eval_cli import read_eval_prompts, stop_token_ids
-    from dspark.evaluation.loading import load_method_drafter, load_target
+    from dspark.loading import load_method_drafter, load_target
     from dspark.fetch import ensure_model
     from dspark.models.drafter_config import DrafterConfig
     from dspark.training.data import encode_chat

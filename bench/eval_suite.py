@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dspark.evaluation.loading import parse_methods
+from dspark.evaluation.methods import parse_methods
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 SETS = ("gsm8k", "math500", "humaneval", "mt-bench")

@@ -73,7 +73,7 @@ def summarize(starts: list[float], firsts: list[float], ends: list[float], count
 def run_embedded(args, models, prompts: list[list[int]], table_path: Path) -> tuple[dict, list]:
     from dspark.cost_table import CostTable
     from dspark.engine import Engine, EngineConfig
-    from dspark.evaluation.loading import load_method_drafter, load_target
+    from dspark.loading import load_method_drafter, load_target
     from dspark.models.drafter_config import DrafterConfig
     from dspark.sampling import SamplingParams
     from dspark.verifier import TargetVerifier
@@ -302,9 +302,10 @@ def main() -> int:
         models = {"target": tiny.target_dir, "drafter": tiny.drafter_dir}
         table_path = tiny.cost_table
     else:
-        from dspark.evaluation.loading import load_target
+        from dspark.loading import load_target
         from dspark.fetch import ensure_model
-        from dspark.generate import DEFAULT_DRAFTER, startup_cost_table
+        from dspark.paths import DEFAULT_DRAFTER
+        from dspark.step_timing import startup_cost_table
 
         target = Path(args.model_dir) if args.model_dir else ensure_model()
         drafter = args.drafter_dir or (str(DEFAULT_DRAFTER) if DEFAULT_DRAFTER.is_dir() else "")

@@ -59,11 +59,11 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import torch
 
 from dspark.cost_table import ThetaObjective
+from dspark.paths import REPO_ROOT
 
 if TYPE_CHECKING:
     from dspark.engine import Engine
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EVAL_DIR = REPO_ROOT / ".." / "shared" / "data" / "eval"
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 # Speed goals: DSpark over target-only, greedy, macro-average, by number of concurrent streams.
@@ -99,7 +99,7 @@ class RowSpec:
     label: str
     kind: RowKind
     method: str | None = None
-    """`dspark.evaluation.loading.METHODS` key naming the drafter's checkpoint folder."""
+    """`dspark.evaluation.methods.METHODS` key naming the drafter's checkpoint folder."""
     policy: str = "none"
     """Admission policy of engine rows."""
     objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
@@ -362,9 +362,10 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     from dspark.cost_table import CostTable
     from dspark.engine import Engine, EngineConfig
     from dspark.evaluation.eval_cli import default_checkpoints, read_eval_prompts
-    from dspark.evaluation.loading import (checkpoint_folder, is_checkpoint, load_calibration,
-                                           load_method_drafter, load_target)
-    from dspark.generate import startup_cost_table, stop_token_ids
+    from dspark.evaluation.methods import checkpoint_folder
+    from dspark.loading import is_checkpoint, load_calibration, load_method_drafter, load_target
+    from dspark.step_timing import startup_cost_table
+    from dspark.stop_tokens import stop_token_ids
     from dspark.models.drafter_config import DrafterConfig
     from dspark.models.runner import RunnerConfig, TargetRunner
     from dspark.training.data import encode_chat

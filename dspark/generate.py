@@ -19,32 +19,14 @@ import torch
 from dspark.admission import AdmissionPolicy
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig
+from dspark.paths import DEFAULT_DRAFTER
 from dspark.sampling import SamplingParams
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DRAFTER = REPO_ROOT / "checkpoints" / "dspark-markov"
-# Batch sizes (flattened tokens) measured by the start-up profile: 36 forwards, 2-3 s for SmolLM2.
-STARTUP_PROFILE_SIZES = (1, 2, 4, 8, 16, 32)
+from dspark.step_timing import startup_cost_table
+from dspark.stop_tokens import stop_token_ids
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def startup_cost_table(runner, sizes=STARTUP_PROFILE_SIZES, context_len: int = 64) -> CostTable:
-    """Measure SPS(B) quickly on this machine (a short `dspark profile`): B tokens over up to 4
-    requests of `context_len` cached tokens, median of 5 forwards after 1 warm-up.
-
-    Median of 5, not fewer: the admission policies only re-measure the batch sizes they choose,
-    so a size that one slow start-up forward made look expensive would never be chosen again
-    (a median of 2 once profiled B=2 at 122 ms against 77 ms at B=4)."""
-    from dspark.profiling import measure_step_seconds
-
-    seconds = measure_step_seconds(runner, list(sizes), context_len=context_len, requests=4,
-                                   repeats=5, warmup=1)
-    return CostTable.from_step_seconds(dict(zip(sizes, seconds)),
-                                       meta={"source": "dspark generate start-up profile",
-                                             "context_len": context_len})
 
 
 def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
@@ -53,7 +35,7 @@ def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: 
     """The embedded engine with the target (and drafter when given); returns (engine, tokenizer)."""
     from transformers import AutoTokenizer
 
-    from dspark.evaluation.loading import load_method_drafter, load_target
+    from dspark.loading import load_method_drafter, load_target
     from dspark.models.drafter_config import DrafterConfig
     from dspark.verifier import TargetVerifier
 
@@ -75,14 +57,6 @@ def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: 
     engine = Engine(TargetVerifier(runner), drafter, table,
                     EngineConfig(policy=parsed, max_running=max_running, sparse_top_k=sparse_top_k))
     return engine, tokenizer
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return sorted(i for i in ids if i is not None)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     stops = stop_token_ids(tokenizer)
-    rid = engine.add_request(prompt_ids, sampling, args.max_tokens, stops)
+    engine.add_request(prompt_ids, sampling, args.max_tokens, stops)
     request = engine.waiting[-1]
 
     start = time.perf_counter()

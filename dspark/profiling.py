@@ -13,56 +13,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from dspark.cost_table import CostTable
-from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner
-
-
-def split_tokens(batch_tokens: int, max_requests: int) -> list[int]:
-    """B tokens over min(B, max_requests) requests, as evenly as possible (larger shares first)."""
-    n = min(batch_tokens, max_requests)
-    return [batch_tokens // n + (1 if i < batch_tokens % n else 0) for i in range(n)]
-
-
-def measure_step_seconds(runner: TargetRunner, batch_sizes: list[int], context_len: int,
-                         requests: int, repeats: int, warmup: int,
-                         seed: int = 0) -> list[float]:
-    """Median seconds of one forward at each batch size (see the module docstring)."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = runner.vocab_size
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(0, vocab, (n,), generator=gen).tolist()
-
-    rids = [("profile", i) for i in range(requests)]
-    for rid in rids:
-        runner.add_request(rid)
-    try:
-        runner.forward([ForwardItem(rid, tokens(context_len)) for rid in rids])
-        # Rounds over all sizes, not all repeats of one size in a row: a slow spell of the
-        # machine (another process, a page-cache flush) then lands on one repeat of every size
-        # instead of on every repeat of one size, which the median could not remove.
-        times: list[list[float]] = [[] for _ in batch_sizes]
-        for rep in range(warmup + repeats):
-            for b, b_times in zip(batch_sizes, times):
-                items = [ForwardItem(rid, tokens(n), logits_from=0)
-                         for rid, n in zip(rids, split_tokens(b, requests))]
-                start = time.perf_counter()
-                runner.forward(items)
-                if rep >= warmup:
-                    b_times.append(time.perf_counter() - start)
-                for it in items:
-                    runner.truncate(it.request_id, context_len)
-        return [statistics.median(b_times) for b_times in times]
-    finally:
-        for rid in rids:
-            runner.free(rid)
+from dspark.models.runner import RunnerConfig, TargetRunner
+from dspark.step_timing import measure_step_seconds
 
 
 def plot_sps(table: CostTable, path: Path, title: str) -> None:

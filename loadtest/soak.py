@@ -157,7 +157,7 @@ def greedy_references(models, max_tokens: int) -> list[list[int]]:
     """Each prompt's greedy output from the embedded engine, alone."""
     from dspark.cost_table import CostTable
     from dspark.engine import Engine, EngineConfig
-    from dspark.evaluation.loading import load_method_drafter, load_target
+    from dspark.loading import load_method_drafter, load_target
     from dspark.sampling import SamplingParams
     from dspark.serving.tiny_models import LAYER_IDS
     from dspark.verifier import TargetVerifier

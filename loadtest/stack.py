@@ -45,7 +45,7 @@ def tiny_models(work: Path) -> ModelChoice:
 def real_models(model_dir: str = "", drafter_dir: str = "", cost_table: str = "",
                 dtype: str = "float32") -> ModelChoice:
     """SmolLM2 (prepared by `dspark fetch-model`) and the shipped drafter unless named."""
-    from dspark.generate import DEFAULT_DRAFTER
+    from dspark.paths import DEFAULT_DRAFTER
 
     return ModelChoice(model_dir, drafter_dir or str(DEFAULT_DRAFTER), cost_table, "dspark",
                        dtype=dtype)

@@ -22,7 +22,7 @@ import torch
 
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig
-from dspark.evaluation.loading import load_method_drafter, load_target
+from dspark.loading import load_method_drafter, load_target
 from dspark.models.drafter_config import DrafterConfig
 from dspark.sampling import SamplingParams
 from dspark.verifier import TargetVerifier

@@ -12,7 +12,7 @@ import torch
 
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig
-from dspark.evaluation.loading import load_method_drafter, load_target
+from dspark.loading import load_method_drafter, load_target
 from dspark.logprobs import TokenLogprobs, grouped_token_logprobs, token_logprobs
 from dspark.sampling import SamplingParams
 from dspark.serving.tiny_models import GAMMA, LAYER_IDS, build_tiny_models

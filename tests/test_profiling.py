@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.models.runner import RunnerConfig, TargetRunner
-from dspark.profiling import measure_step_seconds, split_tokens
+from dspark.step_timing import measure_step_seconds, split_tokens
 
 
 class RecordingRunner(TargetRunner):

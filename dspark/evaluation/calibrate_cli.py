@@ -148,7 +148,7 @@ def load_records(path: Path) -> list[Rounds]:
 
 def run(args: argparse.Namespace) -> int:
     folder = args.checkpoint
-    from dspark.evaluation.loading import is_checkpoint
+    from dspark.loading import is_checkpoint
 
     if not is_checkpoint(folder):
         print(f"dspark calibrate: no drafter checkpoint at {folder} (config.json + "
@@ -228,7 +228,7 @@ def _collect(args: argparse.Namespace, temperatures: list[float]):
 
     from dspark.evaluation.acceptance import CollectConfig, collect_records
     from dspark.evaluation.eval_cli import stop_token_ids
-    from dspark.evaluation.loading import has_confidence_head, load_method_drafter, load_target, resolve_device
+    from dspark.loading import has_confidence_head, load_method_drafter, load_target, resolve_device
     from dspark.models.drafter_config import DrafterConfig
     from dspark.verifier import TargetVerifier
 

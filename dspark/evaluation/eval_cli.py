@@ -25,9 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.evaluation.loading import METHODS, VerifyLength, checkpoint_folder, is_checkpoint, parse_methods
+from dspark.evaluation.methods import METHODS, VerifyLength, checkpoint_folder, parse_methods
+from dspark.loading import is_checkpoint
+from dspark.paths import CHECKPOINTS_DIR
+from dspark.stop_tokens import stop_token_ids
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _log(message: str) -> None:
@@ -37,7 +39,7 @@ def _log(message: str) -> None:
 def default_checkpoints() -> Path:
     """`checkpoints/` of the working directory if it exists, else the repository's."""
     local = Path("checkpoints")
-    return local if local.is_dir() else REPO_ROOT / "checkpoints"
+    return local if local.is_dir() else CHECKPOINTS_DIR
 
 
 def read_eval_prompts(path: Path, limit: int | None = None) -> list[str]:
@@ -56,16 +58,6 @@ def read_eval_prompts(path: Path, limit: int | None = None) -> list[str]:
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
-
-
-def stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """EOS and the chat template's end-of-turn token (when the tokenizer has one)."""
-    ids = {tokenizer.eos_token_id}
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if end != tokenizer.unk_token_id:
-        ids.add(end)
-    ids.discard(None)
-    return tuple(sorted(ids))
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -177,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark.calibration import plot_reliability
     from dspark.evaluation.acceptance import CollectConfig, collect_records, summarize
-    from dspark.evaluation.loading import (has_confidence_head, load_calibration,
-                                           load_method_drafter, load_target, resolve_device)
+    from dspark.loading import (has_confidence_head, load_calibration, load_method_drafter,
+                                load_target, resolve_device)
     from dspark.models.drafter_config import DrafterConfig
     from dspark.training.data import encode_chat
     from dspark.verifier import TargetVerifier

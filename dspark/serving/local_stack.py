@@ -20,8 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
+from dspark.paths import REPO_ROOT
 
 _PORTS_HANDED_OUT: set[int] = set()
 """Every port `free_port` returned in this process: a stack asks for several before any service

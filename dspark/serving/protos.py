@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from dspark.paths import REPO_ROOT
+
 PROTO_ROOT = REPO_ROOT / "protos"
 PROTO_PACKAGE = Path("dspark") / "v1"
 PROTO_NAMES = ("common", "drafter", "verifier", "generation")

@@ -56,7 +56,7 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
     def secret_env(service: str) -> dict[str, str]:
         return {f"DSPARK_{service}_INTERNAL_TOKEN": internal_token} if internal_token else {}
 
-    from dspark.generate import DEFAULT_DRAFTER
+    from dspark.paths import DEFAULT_DRAFTER
 
     drafter_dir = args.drafter_dir or (str(DEFAULT_DRAFTER) if DEFAULT_DRAFTER.is_dir() else "")
     use_drafter = drafter_dir not in ("", "none") and args.policy != "none"

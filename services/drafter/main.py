@@ -19,9 +19,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def build_servicer(config: DrafterServiceConfig, tracer):
     import torch
 
-    from dspark.evaluation.loading import load_method_drafter, load_target, resolve_device
+    from dspark.loading import load_method_drafter, load_target, resolve_device
     from dspark.fetch import ensure_model
-    from dspark.generate import DEFAULT_DRAFTER
+    from dspark.paths import DEFAULT_DRAFTER
     from dspark.models.drafter_config import DrafterConfig
     from services.drafter.servicer import DrafterServicer
 

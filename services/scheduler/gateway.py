@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from dspark.engine import RequestMetrics
 from dspark.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
@@ -168,7 +168,7 @@ class GenerationStream:
 class Gateway:
     def __init__(self, loop: Cohorts, store: RequestStore, tokenizer, model_name: str,
                  max_tokens_limit: int, max_context_tokens: int, vocab_size: int,
-                 stop_token_ids: list[int], metrics: SchedulerMetrics | None = None,
+                 stop_token_ids: Sequence[int], metrics: SchedulerMetrics | None = None,
                  max_waiting: int = 64, max_prompt_chars: int = 262144) -> None:
         self.loop = loop
         self.metrics = metrics

@@ -119,7 +119,7 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
 def start(config: SchedulerConfig) -> Scheduler:
     from dspark.cost_table import CostTable
     from dspark.fetch import ensure_model
-    from dspark.generate import stop_token_ids
+    from dspark.stop_tokens import stop_token_ids
     from dspark.serving import grpc_runtime
     from dspark.serving.cohorts import Cohorts
     from dspark.serving.engine_loop import EngineLoop

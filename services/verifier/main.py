@@ -17,7 +17,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def hidden_layers(config: VerifierServiceConfig) -> tuple[int, ...]:
     """Explicit --hidden-layer-ids, else the drafter checkpoint's target_layer_ids, else none."""
-    from dspark.generate import DEFAULT_DRAFTER
+    from dspark.paths import DEFAULT_DRAFTER
     from dspark.models.drafter_config import DrafterConfig
 
     if config.hidden_layer_ids == "none":
@@ -34,9 +34,9 @@ def build_servicer(config: VerifierServiceConfig, tracer):
     import torch
 
     from dspark.cost_table import CostTable
-    from dspark.evaluation.loading import load_target, resolve_device
+    from dspark.loading import load_target, resolve_device
     from dspark.fetch import ensure_model
-    from dspark.generate import startup_cost_table
+    from dspark.step_timing import startup_cost_table
     from dspark.verifier import TargetVerifier
     from services.verifier.servicer import VerifierLimits, VerifierServicer
 

@@ -52,7 +52,7 @@ def embedded_greedy(models, prompt_ids: list[int], max_tokens: int) -> list[int]
     """The embedded engine (same target, drafter, policy and cost table) under greedy."""
     from dspark.cost_table import CostTable
     from dspark.engine import Engine, EngineConfig
-    from dspark.evaluation.loading import load_method_drafter, load_target
+    from dspark.loading import load_method_drafter, load_target
     from dspark.sampling import SamplingParams
     from dspark.verifier import TargetVerifier
 

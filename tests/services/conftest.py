@@ -153,7 +153,7 @@ def embedded_greedy(tiny_models):
     """Greedy outputs of the embedded engine (same target, drafter, policy, cost table)."""
     from dspark.cost_table import CostTable
     from dspark.engine import Engine, EngineConfig
-    from dspark.evaluation.loading import load_method_drafter, load_target
+    from dspark.loading import load_method_drafter, load_target
     from dspark.sampling import SamplingParams
     from dspark.verifier import TargetVerifier
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from dspark.evaluation.loading import load_target
+from dspark.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.local_stack import wait_grpc
 from dspark.serving.remote_verifier import RemoteVerifier, VerifierRejected

@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig
-from dspark.evaluation.loading import load_method_drafter, load_target
+from dspark.loading import load_method_drafter, load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.cohorts import Cohorts
 from dspark.serving.engine_loop import EngineLoop, StreamEvent, Submission

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig
-from dspark.evaluation.loading import load_target
+from dspark.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.remote_drafter import fallback_blocks
 from dspark.serving.tiny_models import GAMMA, LAYER_IDS, VOCAB

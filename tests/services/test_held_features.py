@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from dspark.evaluation.loading import load_target
+from dspark.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.local_stack import wait_grpc
 from dspark.serving.protos import pb, rpc

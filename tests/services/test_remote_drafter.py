@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from dspark.evaluation.loading import load_method_drafter, load_target
+from dspark.loading import load_method_drafter, load_target
 from dspark.models.drafter import DraftRequest
 from dspark.sampling import SamplingParams
 from dspark.serving.grpc_runtime import channel

@@ -11,7 +11,8 @@
 # (scripts/learning_curve.py draws it).
 #   nohup bash scripts/drafter_campaign.sh > runs/drafter_campaign.log 2>&1 &
 #   .venv/bin/python scripts/export_drafter.py ~/.cache/dspark/campaign/dspark-markov checkpoints/dspark-markov
-# STEPS (default 1400) sets the schedule's length, THREADS (default 1) torch's threads.
+# STEPS (default 800) sets the schedule's length (raise it to go on after a finished run: the cosine
+# stretches to the new length from the step reached), THREADS (default 1) torch's threads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 renice -n 10 $$ >/dev/null
@@ -28,7 +29,7 @@ T=$(.venv/bin/python -c "from dspark.fetch import ensure_model; print(ensure_mod
 exec .venv/bin/dspark train --data "$DATA" --target "$T" --out "$OUT" \
   --method markov --layers 2 --markov-rank 64 --gamma 7 --draft-vocab 8192 --inject-last-context \
   --output-norm-lr-scale 30 --init-from-drafter checkpoints/dspark-markov \
-  --steps "${STEPS:-1400}" --warmup 30 --lr 1e-3 --batch 4 --anchors 128 \
+  --steps "${STEPS:-800}" --warmup 30 --lr 1e-3 --batch 4 --anchors 128 \
   --target-dtype bfloat16 --student-dtype bfloat16 --teacher-cache --teacher-cache-gb 6 \
   --log-every 10 --save-every 50 --eval-every "${EVAL_EVERY:-200}" --eval-examples 64 --eval-anchors 64 \
   --threads "${THREADS:-1}" --no-progress

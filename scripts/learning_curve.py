@@ -5,7 +5,11 @@ writes one CSV row per point (method, step, anchor-blocks seen, tau and acceptan
 greedy and T=1) and a PNG with tau (greedy and T=1) against anchor-blocks seen, one line per run.
     .venv/bin/python scripts/learning_curve.py runs/campaign/dspark-markov [more run folders] \
         --csv docs/results/drafter_learning_curve.csv --png docs/results/drafter_learning_curve.png
-A run folder's name is its label. With `--chain` the runs continue one another (each started from
+A run is a folder holding heldout_log.jsonl (its name is the label) or such a log file itself (its
+stem is the label: a shipped drafter keeps its earlier phases' logs as heldout_log_phaseN.jsonl):
+    .venv/bin/python scripts/learning_curve.py checkpoints/dspark-markov/heldout_log_phase*.jsonl \
+        checkpoints/dspark-markov --chain --csv ... --png ...
+With `--chain` the runs continue one another (each started from
 the drafter the one before ended with, e.g. a campaign's phases): their steps and anchor blocks
 add up along one curve, and each later run's first point (the drafter it started from, already the
 previous run's last) is dropped.
@@ -20,8 +24,14 @@ from pathlib import Path
 
 
 def read_points(run: Path) -> list[dict]:
-    lines = (run / "heldout_log.jsonl").read_text().splitlines()
+    log = run if run.is_file() else run / "heldout_log.jsonl"
+    lines = log.read_text().splitlines()
     return [json.loads(ln) for ln in lines if ln.strip()]
+
+
+def label(run: Path) -> str:
+    """A folder's name, or a log file's stem without its `heldout_log_` prefix."""
+    return run.stem.removeprefix("heldout_log_") if run.is_file() else run.name
 
 
 def chain(runs: list[list[dict]]) -> list[dict]:
@@ -47,7 +57,7 @@ def main() -> int:
     parser.add_argument("--chain", action="store_true",
                         help="the runs continue one another: one curve, steps and blocks added up")
     args = parser.parse_args()
-    curves = {run.name: read_points(run) for run in args.runs}
+    curves = {label(run): read_points(run) for run in args.runs}
     if args.chain:
         curves = {"+".join(curves): chain(list(curves.values()))}
     gamma = max(len(p["accept_t1"]) for points in curves.values() for p in points)

@@ -43,3 +43,15 @@ def test_chained_runs_add_up_steps_and_blocks_and_drop_the_repeated_start(tmp_pa
     rows = run_script(str(first), str(second), "--csv", str(out))
     assert [(r["run"], int(r["step"])) for r in rows] == [
         ("phase4", 0), ("phase4", 100), ("phase5", 0), ("phase5", 50)]
+
+
+def test_a_log_file_is_a_run_labelled_by_its_phase(tmp_path):
+    """A shipped drafter keeps its earlier phases' logs beside its own: files chain with folders."""
+    shipped = write_run(tmp_path / "dspark-markov", [point(0, 0, 0, 1.9), point(50, 256, 2, 2.1)])
+    earlier = shipped / "heldout_log_phase4.jsonl"
+    earlier.write_text("".join(json.dumps(p) + "\n" for p in [point(0, 0, 0, 1.7),
+                                                                 point(100, 512, 4, 1.9)]))
+    rows = run_script(str(earlier), str(shipped), "--chain", "--csv", str(tmp_path / "c.csv"))
+    assert [(r["run"], int(r["step"]), float(r["tau_greedy"])) for r in rows] == [
+        ("phase4+dspark-markov", 0, 1.7), ("phase4+dspark-markov", 100, 1.9),
+        ("phase4+dspark-markov", 150, 2.1)]

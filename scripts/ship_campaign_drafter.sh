@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Ship the drafter campaign's current drafter as checkpoints/dspark-markov, with what makes it
+# reproducible and comparable: the shipped drafter's own train_config/train_log/heldout_log are
+# kept beside it as *_phaseN (N = one more than the highest kept phase), the campaign's
+# checkpoint is exported in bf16 with its logs (scripts/export_drafter.py), the STS confidence
+# calibration is refitted on held-out answers at T=0 and T=1 (the confidence head changed; its
+# report goes to docs/results/dspark_calibrate_heldout.txt), and
+# the learning curve over every phase is redrawn. Run it with the campaign stopped (or between
+# two of its checkpoints); the next campaign run starts from the shipped drafter.
+#   bash scripts/ship_campaign_drafter.sh            # CAMPAIGN as in scripts/drafter_campaign.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CAMPAIGN=${CAMPAIGN:-$HOME/.cache/dspark/campaign}
+RUN=$CAMPAIGN/dspark-markov
+DEST=checkpoints/dspark-markov
+[ -f "$RUN/checkpoint/trainer_state.pt" ] || { echo "no campaign checkpoint in $RUN" >&2; exit 1; }
+last=$(ls "$DEST" | sed -n 's/^train_log_phase\([0-9]*\)\.jsonl$/\1/p' | sort -n | tail -1)
+phase=$(( ${last:-0} + 1 ))
+for name in train_config.json train_log.jsonl heldout_log.jsonl; do
+  [ -f "$DEST/$name" ] && mv "$DEST/$name" "$DEST/${name%%.*}_phase$phase.${name#*.}"
+done
+.venv/bin/python scripts/export_drafter.py "$RUN" "$DEST"
+.venv/bin/dspark calibrate --checkpoint "$DEST" --data data/smollm2_answers.jsonl.gz \
+  --temperature 0,1 --max-tokens 128 --limit "${CALIBRATION_PROMPTS:-48}" --max-running 16 \
+  --threads "${THREADS:-2}" 2>&1 | grep -v "it/s" | tee docs/results/dspark_calibrate_heldout.txt
+.venv/bin/python scripts/learning_curve.py $(ls "$DEST"/heldout_log_phase*.jsonl | sort -V) "$DEST" \
+  --chain --csv docs/results/drafter_learning_curve.csv --png docs/results/drafter_learning_curve.png

@@ -20,12 +20,11 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-import dspark.models.drafter as drafter_module
+import dspark.models.drafter_layers as drafter_layers
 from dspark.fetch import ensure_model
-from dspark.models.drafter import block_labels
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import load_drafter
-from dspark.training.batches import sample_anchors
+from dspark.training.batches import block_labels, sample_anchors
 from dspark.training.trainer import Method, TrainConfig, Trainer
 
 
@@ -65,8 +64,8 @@ def main() -> int:
     labels, _ = block_labels(batch.input_ids, anchors, batch.answer_mask, gamma)
     T = batch.input_ids.shape[1]
     records: list[torch.Tensor] = []
-    sdpa = drafter_module.F.scaled_dot_product_attention
-    drafter_module.F.scaled_dot_product_attention = attention_recorder(records)
+    sdpa = drafter_layers.F.scaled_dot_product_attention
+    drafter_layers.F.scaled_dot_product_attention = attention_recorder(records)
     print(f"{args.checkpoint}: slot-0 attention over the context, {int(keep.sum())} blocks\n")
     print("| qk scale | layer | normalised entropy | weight on last token | on last 4 | context share |")
     print("|---:|---:|---:|---:|---:|---:|")
@@ -98,7 +97,7 @@ def main() -> int:
                 print(f"| {scale:g} | {i} | {row['entropy']:.3f} | {row['last']:.3f} "
                       f"| {row['last4']:.3f} | {share:.3f} |")
     finally:
-        drafter_module.F.scaled_dot_product_attention = sdpa
+        drafter_layers.F.scaled_dot_product_attention = sdpa
     print(json.dumps({"bench": "drafter_attention_probe", "checkpoint": args.checkpoint,
                       "blocks": int(keep.sum()), "rows": rows}))
     return 0

@@ -32,7 +32,7 @@ import torch
 from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.logprobs import TokenLogprobs, check_num_top
-from dspark.models.drafter import DraftRequest, Drafter
+from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.sampling import SamplingParams
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyRequest
 

@@ -28,7 +28,7 @@ import torch
 
 from dspark.feature_stash import FeaturePiece, FeatureStash
 from dspark.logprobs import TokenLogprobs, grouped_token_logprobs
-from dspark.models.drafter import DraftBlock
+from dspark.models.draft_types import DraftBlock
 from dspark.models.runner import ForwardItem, TargetRunner
 from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs

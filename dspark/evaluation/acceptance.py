@@ -33,7 +33,7 @@ from dspark.calibration import (CalibrationReport, STSCalibration, calibration_r
                                 survival_from_accepted_len)
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig, RoundRecord
-from dspark.models.drafter import DraftBlock, DraftRequest, Drafter
+from dspark.models.draft_types import DraftBlock, DraftRequest, Drafter
 from dspark.sampling import SamplingParams
 from dspark.verifier import TargetVerifier
 

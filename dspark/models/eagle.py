@@ -29,23 +29,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.drafter import (
-    BlockTrainOutputs,
-    ContextKVCache,
-    DraftBlock,
-    DraftRequest,
-    DrafterMLP,
-    FrozenTargetHead,
-    RMSNorm,
-    plan_rows,
-    positions_to_draft,
-    apply_rope,
+from dspark.models.context_kv_cache import ContextKVCache
+from dspark.models.draft_sampling import (
     assemble_blocks,
     draw_uniforms,
-    rope_cos_sin,
+    plan_rows,
     sample_block_position,
 )
+from dspark.models.draft_types import (
+    BlockTrainOutputs,
+    DraftBlock,
+    DraftRequest,
+    positions_to_draft,
+)
+from dspark.models.drafter import FrozenTargetHead
 from dspark.models.drafter_config import Architecture, DrafterConfig, SequentialHead
+from dspark.models.drafter_layers import DrafterMLP, rope_cos_sin
+from dspark.models.transformer import RMSNorm, apply_rope
 
 
 def eagle_config(target_config: dict, *, target_layer_ids: list[int], block_size: int = 7,
@@ -77,13 +77,13 @@ class EagleAttention(nn.Module):
         B, n, _ = x2.shape
         k = self.k_proj(x2).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x2).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k, cos.unsqueeze(1), sin.unsqueeze(1)), v  # cos/sin [B, 1, n, head_dim]
 
     def query(self, x2: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x2 [B, n, 2 * hidden] -> q [B, heads, n, head_dim] (rotated)."""
         B, n, _ = x2.shape
         q = self.q_proj(x2).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin)
+        return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # cos/sin [B, 1, n, head_dim]
 
     def attend(self, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                ctx_mask: torch.Tensor, chain_k: torch.Tensor, chain_v: torch.Tensor) -> torch.Tensor:

@@ -242,7 +242,9 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-rotation RoPE of x [num_tokens, heads, head_dim] (transformers' op order)."""
+    """Half-rotation RoPE of x [..., head_dim] (transformers' op order), cos/sin broadcast to x:
+    here x [num_tokens, heads, head_dim] with cos/sin [num_tokens, 1, head_dim]; the drafters'
+    x [B, heads, n, head_dim] with cos/sin [B, 1, n, head_dim]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 

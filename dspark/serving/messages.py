@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dspark.logprobs import TokenLogprobs, check_num_top
-from dspark.models.drafter import DraftBlock
+from dspark.models.draft_types import DraftBlock
 from dspark.sampling import SamplingParams
 from dspark.serving import tensor_codec
 from dspark.serving.protos import pb

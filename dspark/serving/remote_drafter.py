@@ -30,7 +30,7 @@ from typing import Callable, Hashable, Sequence
 import grpc
 import torch
 
-from dspark.models.drafter import DraftBlock, DraftRequest, positions_to_draft
+from dspark.models.draft_types import DraftBlock, DraftRequest, positions_to_draft
 from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import channel
 from dspark.serving.protos import pb, rpc

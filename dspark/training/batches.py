@@ -1,5 +1,6 @@
 """Training examples and batches: reading answer files, right-padded batches, the epoch order,
-the draft vocabulary and mask token a data set selects, and anchor positions."""
+the draft vocabulary and mask token a data set selects, anchor positions, and the labels of the
+blocks drafted at them."""
 
 from __future__ import annotations
 
@@ -127,3 +128,22 @@ def sample_anchors(answer_mask: torch.Tensor, num_anchors: int,
         anchors = torch.cat([anchors, anchors.new_zeros(B, pad)], dim=1)
         keep = torch.cat([keep, keep.new_zeros(B, pad)], dim=1)
     return anchors, keep
+
+
+def block_labels(input_ids: torch.Tensor, anchors: torch.Tensor, answer_mask: torch.Tensor,
+                 gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels of N blocks per sequence and which are supervised.
+
+    input_ids [B, T]; anchors [B, N]; answer_mask [B, T] bool (positions whose token is a
+    target-generated answer token). Returns labels [B, N, gamma] = x*_{a+k} (clamped where out of
+    range) and valid [B, N, gamma] bool: a contiguous prefix of in-range answer positions.
+    """
+    B, T = input_ids.shape
+    idx = anchors.unsqueeze(-1) + torch.arange(1, gamma + 1, device=anchors.device)  # [B, N, gamma]
+    in_range = idx < T
+    safe = idx.clamp(max=T - 1)
+    flat = safe.view(B, -1)
+    labels = input_ids.gather(1, flat).view_as(safe)
+    valid = in_range & answer_mask.gather(1, flat).view_as(safe)
+    valid = valid.to(torch.int32).cumprod(dim=-1).bool()
+    return labels, valid

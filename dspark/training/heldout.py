@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.models.drafter import block_labels
-from dspark.training.batches import Example, make_batch, sample_anchors
+from dspark.training.batches import Example, block_labels, make_batch, sample_anchors
 
 
 class HeldoutEvaluator:

@@ -43,12 +43,13 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from dspark.models.drafter import DSparkDrafter, block_labels, num_parameters
+from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_config import DrafterConfig, SequentialHead, spread_layer_ids
 from dspark.models.drafter_io import save_drafter
 from dspark.models.eagle import EagleDrafter, eagle_config
 from dspark.training.batches import (
     Batch,
+    block_labels,
     epoch_order,
     make_batch,
     pick_mask_token,
@@ -596,7 +597,7 @@ class Trainer:
             for ln in self.heldout_log_path.read_text().splitlines() if ln.strip())
 
     def parameter_count(self) -> int:
-        return num_parameters(self.model)
+        return sum(p.numel() for p in self.model.parameters())
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The Drafter gRPC servicer: any object following dspark.models.drafter.Drafter behind the
+"""The Drafter gRPC servicer: any object following dspark.models.draft_types.Drafter behind the
 `dspark.v1.Drafter` bidirectional stream.
 
 Per DraftRound: releases, then context updates (a `reset` first drops what is held: the
@@ -16,7 +16,7 @@ import grpc
 import torch
 from opentelemetry import propagate
 
-from dspark.models.drafter import DraftRequest, Drafter
+from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.serving import messages, tensor_codec
 from dspark.serving.idle_expiry import IdleExpiry
 from dspark.serving.protos import pb, rpc

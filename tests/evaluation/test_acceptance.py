@@ -14,7 +14,8 @@ from dspark.engine import Engine, EngineConfig
 from dspark.evaluation.acceptance import (AcceptanceRecords, CollectConfig, RoundCollector,
                                           acceptance_length, collect_records,
                                           conditional_acceptance, summarize)
-from dspark.models.drafter import DraftBlock, DSparkDrafter
+from dspark.models.draft_types import DraftBlock
+from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.sampling import SamplingParams

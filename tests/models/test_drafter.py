@@ -7,15 +7,11 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.calibration import CalibrationSet, STSCalibration
-from dspark.models.drafter import (
-    DraftBlock,
-    DraftRequest,
-    DSparkDrafter,
-    block_labels,
-    training_mask,
-)
+from dspark.models.draft_types import DraftBlock, DraftRequest
+from dspark.models.drafter import DSparkDrafter, training_mask
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
 from dspark.sampling import SamplingParams
+from dspark.training.batches import block_labels
 
 VOCAB, HIDDEN, GAMMA, M = 40, 32, 4, 2
 TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=6,

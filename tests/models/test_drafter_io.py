@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dspark.models.drafter import DraftRequest, DSparkDrafter
+from dspark.models.draft_types import DraftRequest
+from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
 from dspark.models.drafter_io import load_drafter, read_checkpoint, save_drafter
 from dspark.sampling import SamplingParams

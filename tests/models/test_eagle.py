@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.models.drafter import DraftRequest
+from dspark.models.draft_types import DraftRequest
 from dspark.models.drafter_io import load_drafter, save_drafter
 from dspark.models.eagle import EagleDrafter, eagle_config
 from dspark.sampling import SamplingParams

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.loading import load_method_drafter, load_target
-from dspark.models.drafter import DraftRequest
+from dspark.models.draft_types import DraftRequest
 from dspark.sampling import SamplingParams
 from dspark.serving.grpc_runtime import channel
 from dspark.serving.local_stack import wait_grpc

@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.models.drafter import block_labels
-from dspark.training.batches import make_batch, read_examples, sample_anchors
+from dspark.training.batches import block_labels, make_batch, read_examples, sample_anchors
 from dspark.training.heldout import HeldoutEvaluator
 from dspark.training.trainer import TargetTeacher, TrainConfig, Trainer, read_log
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.models.drafter import DraftRequest, DSparkDrafter
+from dspark.models.draft_types import DraftRequest
+from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_io import load_drafter
 from dspark.models.eagle import EagleDrafter
 from dspark.sampling import SamplingParams

@@ -1,0 +1,171 @@
+"""Sampling one block position for every request of a drafting call, exactly.
+
+`plan_rows` groups the requests once per call (`RowPlan`): sparse rows (greedy: k = 1; a top_k
+parameter or drafter-side truncation: k) draw from the renormalised top-k of their logits, dense
+rows from the full (draft) vocabulary. `sample_block_position` then draws position k for all of
+them from the uniforms `draw_uniforms` took from each request's own generator, and
+`assemble_blocks` turns the positions into one `DraftBlock` per request.
+
+Each token x_k is drawn from exactly the distribution returned for it (the draft distribution
+p^d_k, see `dspark.models.draft_types`). With a reduced draft vocabulary, the logits and samples
+here are in draft ids; `assemble_blocks` maps them to target ids, and tokens outside the draft
+vocabulary have p^d = 0, so the distribution stays exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dspark.models.draft_types import DraftBlock, DraftRequest
+from dspark.sampling import SamplingTensors, probs_from_logits, sample_from_probs
+
+
+@dataclass
+class RowPlan:
+    """How the requests of one drafting call sample, prepared once for all gamma positions.
+
+    Sparse rows (greedy: k = 1; a top_k parameter or drafter-side truncation: k) draw from the
+    renormalised top-k of their logits; dense rows from the full (draft) vocabulary.
+    """
+
+    num_rows: int
+    sparse_rows: list[int]
+    sparse_ks: list[int]
+    dense_rows: list[int]
+    all_greedy: bool
+    sparse_index: torch.Tensor | None  # [n_sparse] row ids, None = all rows
+    dense_index: torch.Tensor | None  # [n_dense] row ids, None = all rows
+    sparse_params: SamplingTensors | None  # top_k off: the truncation is done by topk
+    sparse_greedy: torch.Tensor | None  # [n_sparse] bool
+    beyond_k: torch.Tensor | None  # [n_sparse, k_max] bool: slots past each row's own k
+    dense_params: SamplingTensors | None
+
+
+def _select(index: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return x if index is None else x[index]
+
+
+def plan_rows(requests: Sequence[DraftRequest], vocab_size: int,
+              sparse_top_k: int | None, device: torch.device) -> RowPlan:
+    ks: list[int | None] = []
+    for req in requests:
+        s = req.sampling
+        if s.is_greedy:
+            ks.append(1)
+            continue
+        k = s.top_k if 0 < s.top_k < vocab_size else None
+        if sparse_top_k is not None and sparse_top_k < vocab_size:
+            k = sparse_top_k if k is None else min(k, sparse_top_k)
+        ks.append(k)
+    R = len(requests)
+    sampling = SamplingTensors.from_params([r.sampling for r in requests], device=device)
+    sparse_rows = [r for r in range(R) if ks[r] is not None]
+    dense_rows = [r for r in range(R) if ks[r] is None]
+    sparse_ks = [int(ks[r]) for r in sparse_rows]  # type: ignore[arg-type]
+
+    def index(rows: list[int]) -> torch.Tensor | None:
+        return None if len(rows) == R else torch.tensor(rows, dtype=torch.int64, device=device)
+
+    sparse_index, dense_index = index(sparse_rows), index(dense_rows)
+    plan = RowPlan(R, sparse_rows, sparse_ks, dense_rows,
+                   all(r.sampling.is_greedy for r in requests), sparse_index, dense_index,
+                   None, None, None, None)
+    if sparse_rows:
+        k_max = max(sparse_ks)
+        k_tensor = torch.tensor(sparse_ks, device=device)
+        plan.beyond_k = torch.arange(k_max, device=device).unsqueeze(0) >= k_tensor.unsqueeze(1)
+        temperature = _select(sparse_index, sampling.temperature)
+        plan.sparse_params = SamplingTensors(temperature, torch.zeros_like(k_tensor),
+                                             _select(sparse_index, sampling.top_p))
+        plan.sparse_greedy = temperature == 0.0
+    if dense_rows:
+        plan.dense_params = SamplingTensors(_select(dense_index, sampling.temperature),
+                                            _select(dense_index, sampling.top_k),
+                                            _select(dense_index, sampling.top_p))
+    return plan
+
+
+@dataclass
+class PositionSample:
+    """One block position sampled for every request of a call (rows grouped as in the plan)."""
+
+    tokens: torch.Tensor  # [R] draft-vocabulary ids
+    sparse_indices: torch.Tensor | None  # [n_sparse, k_max] draft-vocabulary ids
+    sparse_probs: torch.Tensor | None  # [n_sparse, k_max] (0 past each row's k)
+    dense_probs: torch.Tensor | None  # [n_dense, V_d]
+
+
+def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.Tensor | None
+                          ) -> PositionSample:
+    """Sample one position for every request: logits [R, V_d] float32, uniforms [R] in [0, 1)
+    (None only when every request is greedy).
+
+    Each token is drawn from exactly the distribution returned for its row.
+    """
+    R, _ = logits.shape
+    if plan.all_greedy:  # argmax, lowest index on ties (as dspark.sampling)
+        tokens = logits.argmax(dim=1)
+        return PositionSample(tokens, tokens.unsqueeze(1), logits.new_ones(R, 1), None)
+    tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
+    sparse_indices = sparse_probs = dense_probs = None
+    if plan.sparse_rows:
+        sub = _select(plan.sparse_index, logits)  # [n, V_d]
+        values, sparse_indices = torch.topk(sub, plan.beyond_k.shape[1], dim=1)  # sorted desc
+        greedy = plan.sparse_greedy
+        if bool(greedy.any()):  # argmax with the lowest index on ties
+            sparse_indices[greedy, 0] = sub[greedy].argmax(dim=1)
+        values = values.masked_fill(plan.beyond_k, float("-inf"))
+        sparse_probs = probs_from_logits(values, plan.sparse_params)  # greedy: one-hot at slot 0
+        pick = sample_from_probs(sparse_probs, _select(plan.sparse_index, uniforms))
+        picked = sparse_indices.gather(1, pick.unsqueeze(1)).squeeze(1)
+        if plan.sparse_index is None:
+            tokens = picked
+        else:
+            tokens[plan.sparse_index] = picked
+    if plan.dense_rows:
+        dense_probs = probs_from_logits(_select(plan.dense_index, logits), plan.dense_params)
+        picked = sample_from_probs(dense_probs, _select(plan.dense_index, uniforms))
+        if plan.dense_index is None:
+            tokens = picked
+        else:
+            tokens[plan.dense_index] = picked
+    return PositionSample(tokens, sparse_indices, sparse_probs, dense_probs)
+
+
+def draw_uniforms(requests: Sequence[DraftRequest], count: int, device: torch.device) -> torch.Tensor:
+    """[R, count] uniforms, each request's from its own generator (or the global stream)."""
+    rows = [torch.rand(count, generator=req.generator) if req.generator is not None
+            else torch.rand(count) for req in requests]
+    return torch.stack(rows).to(device) if rows else torch.empty(0, count, device=device)
+
+
+def assemble_blocks(plan: RowPlan, samples: Sequence[PositionSample], confidences: torch.Tensor,
+                    draft_to_target: torch.Tensor | None, vocab_size: int) -> list[DraftBlock]:
+    """Per-position samples (n of them, n <= gamma) and confidences [R, n] -> one DraftBlock each
+    (`gamma` below is the n positions drafted)."""
+    R, gamma = plan.num_rows, len(samples)
+    tokens = torch.stack([s.tokens for s in samples], dim=1)  # [R, gamma]
+    if draft_to_target is not None:
+        tokens = draft_to_target[tokens]
+    confidences = confidences.float()
+    blocks: list[DraftBlock | None] = [None] * R
+    if plan.sparse_rows:
+        indices = torch.stack([s.sparse_indices for s in samples], dim=1)  # [n, gamma, k_max]
+        if draft_to_target is not None:
+            indices = draft_to_target[indices]
+        probs = torch.stack([s.sparse_probs for s in samples], dim=1).float()
+        for i, (r, k) in enumerate(zip(plan.sparse_rows, plan.sparse_ks)):
+            blocks[r] = DraftBlock(tokens[r], probs[i, :, :k], confidences[r], indices[i, :, :k])
+    if plan.dense_rows:
+        probs = torch.stack([s.dense_probs for s in samples], dim=1).float()  # [n, gamma, V_d]
+        if draft_to_target is not None:
+            full = probs.new_zeros(probs.shape[0], gamma, vocab_size)
+            full[:, :, draft_to_target] = probs
+            probs = full
+        for i, r in enumerate(plan.dense_rows):
+            blocks[r] = DraftBlock(tokens[r], probs[i], confidences[r])
+    return blocks  # type: ignore[return-value]
+

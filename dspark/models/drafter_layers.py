@@ -1,0 +1,137 @@
+"""The drafter's Qwen3-style layers: attention that takes the context as extra keys and values,
+the SiLU-gated MLP, and the pre-norm layer around them (DESIGN.md section 3).
+
+Glossary
+- H_ctx: the context tokens' target features fused to the drafter's width,
+  `H_ctx = hidden_norm(fc(features))` [num_tokens, hidden_size].
+- context K/V injection: in every drafter layer i the context enters only as extra keys and values,
+  `K_i = [k_proj(H_ctx); k_proj(h_d)]`, `V_i = [v_proj(H_ctx); v_proj(h_d)]` (k_norm and RoPE at
+  the context tokens' absolute positions), as in DFlash / DeepSpec. The block's own queries, keys
+  and values come from its hidden states h_d.
+
+RMSNorm and the half-rotation RoPE are the target transformer's (`dspark.models.transformer`):
+the same op order, so the drafter's numbers and its checkpoint are unchanged by sharing them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.drafter_config import DrafterConfig
+from dspark.models.transformer import RMSNorm, apply_rope
+
+if TYPE_CHECKING:
+    from dspark.models.context_kv_cache import RequestContext
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [..., n] int64 -> cos, sin [..., n, head_dim] (default RoPE, HF layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))  # [head_dim/2]
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., n, head_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., n, head_dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class DrafterAttention(nn.Module):
+    """Attention whose keys/values are [context; block], context projected from H_ctx."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = hd
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, n, hidden] -> k, v [B, num_kv_heads, n, head_dim] (k normed and rotated)."""
+        B, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos.unsqueeze(1), sin.unsqueeze(1)), v  # cos/sin [B, 1, n, head_dim]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, Q, hidden] (after input_layernorm); cos/sin [B, Q, head_dim] at block positions;
+        ctx_k/ctx_v [B, num_kv_heads, L, head_dim]; mask [B, Q, L + Q] bool (True = attend)."""
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [B, heads, Q, head_dim]
+        k_blk, v_blk = self.project_kv(x, cos, sin)  # [B, kv_heads, Q, head_dim]
+        k = torch.cat([ctx_k, k_blk], dim=2)  # [B, kv_heads, L + Q, head_dim]
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        assert mask.shape == (B, Q, k.shape[2]), (mask.shape, B, Q, k.shape)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1),
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       contexts: Sequence[RequestContext], layer: int,
+                       masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Inference: x [R, Q, hidden]; request r attends to its own cached context of `layer`
+        plus its block, read in place (the block's keys/values go to the context's scratch slots).
+        masks[r]: [Q, L_r + Q] bool or None (= everything visible)."""
+        R, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(R, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [R, heads, Q, head_dim]
+        k_blk, v_blk = self.project_kv(x, cos, sin)  # [R, kv_heads, Q, head_dim]
+        gqa = self.num_heads != self.num_kv_heads
+        outs = []
+        for r, ctx in enumerate(contexts):  # requests in order: duplicates are safe
+            end = ctx.length + Q
+            keys, values = ctx.keys[layer], ctx.values[layer]  # [kv_heads, capacity, head_dim]
+            keys[:, ctx.length: end] = k_blk[r]
+            values[:, ctx.length: end] = v_blk[r]
+            mask = None if masks[r] is None else masks[r].view(1, 1, Q, end)
+            outs.append(F.scaled_dot_product_attention(
+                q[r: r + 1], keys[None, :, :end], values[None, :, :end], attn_mask=mask,
+                enable_gqa=gqa))
+        out = torch.cat(outs)  # [R, heads, Q, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        d, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, inter, bias=False)
+        self.up_proj = nn.Linear(d, inter, bias=False)
+        self.down_proj = nn.Linear(inter, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(config)
+        self.mlp = DrafterMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       contexts: Sequence[RequestContext], layer: int,
+                       masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, contexts, layer,
+                                              masks)
+        return x + self.mlp(self.post_attention_layernorm(x))
+

@@ -567,11 +567,11 @@ class Admitter:
         self._async.skip(self._step, num_requests, block_size)
         self._step += 1
 
-    def hold(self, num_requests: int, block_size: int) -> None:
+    def plain_check(self, num_requests: int, block_size: int) -> None:
         """``async_topk``: record a step that drafts nothing although its K may be > 0 (the
         caller's plain check, decided from the round count and old decisions only). It verifies
         no drafts; the K of step ``t + lag`` comes from the running means, as after a skip."""
-        assert self._async is not None, "hold() is only for async_topk"
+        assert self._async is not None, "plain_check() is only for async_topk"
         self._async.skip(self._step, num_requests, block_size)
         self._step += 1
 

@@ -31,10 +31,11 @@ import torch
 
 from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
 from dspark.cost_table import CostTable, ThetaObjective
+from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
 from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.sampling import SamplingParams
-from dspark.verifier import PrefillChunk, TargetVerifier, VerifyRequest
+from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
 
 
 @dataclass(frozen=True)
@@ -128,17 +129,16 @@ class EngineConfig:
             object.__setattr__(self, "objective", ThetaObjective(self.objective))
         if self.max_running < 1:
             raise ValueError("max_running must be >= 1")
-        if self.probe_interval < 0:
-            raise ValueError("probe_interval must be >= 0")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
-        if self.plain_check_interval < 0:
-            raise ValueError(f"plain_check_interval must be >= 0, got {self.plain_check_interval}")
-        if self.probe_requests < 0:
-            raise ValueError(f"probe_requests must be >= 0, got {self.probe_requests}")
-        if self.max_probe_interval < self.probe_interval:
-            raise ValueError(f"max_probe_interval ({self.max_probe_interval}) must be >= "
-                             f"probe_interval ({self.probe_interval})")
+        self.drafting_gate_config()  # validates the probe and plain-check fields
+
+    def drafting_gate_config(self) -> DraftingGateConfig:
+        """The drafting gate's rules (probes, their back-off, plain checks) from these fields."""
+        return DraftingGateConfig(
+            probe_interval=self.probe_interval, max_probe_interval=self.max_probe_interval,
+            probe_requests=self.probe_requests, plain_check_interval=self.plain_check_interval,
+            plain_check_gain=self.plain_check_gain)
 
 
 @dataclass
@@ -250,18 +250,8 @@ class Engine:
         self.running: list[Request] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._rounds_without_draft = 0
-        self._rounds_verifying = 0
-        """Rounds in a row whose K was > 0 (for the plain checks)."""
-        # the requests the previous round drafted (all of them), or None: see _draft_and_admit
-        self._last_drafted_ids: list | None = None
-        self._probe_interval = config.probe_interval
-        """Rounds between probes now: probe_interval, doubled after each fruitless probe."""
-        self._fruitless_load: int | None = None
-        """The lightest load (`_load()`) of a drafting round that found nothing to verify since
-        the probe interval was last reset (None: none since)."""
-        self._probe_members: set = set()
-        """The requests the last sampled probe drafted (the next probe keeps those that run)."""
+        self.drafting_gate = DraftingGate(config.drafting_gate_config())
+        """Decides whether each round drafts (probes, skips, plain checks); see drafting_gate.py."""
         self._held: set = set()
         """Requests whose features the verifier holds for the drafter (hold_features)."""
         self.round_observer: Callable[[RoundRecord], None] | None = None
@@ -291,7 +281,7 @@ class Engine:
             for r in [r for r in held if r.request_id == request_id]:
                 self._release(r)
                 held.remove(r)
-        self._reset_probes_if_idle()
+        self.drafting_gate.reset_if_idle(self._load())
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -401,42 +391,22 @@ class Engine:
         return outputs
 
     def _round(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
+        """One round: plan (the drafting gate) -> draft -> admit -> verify -> commit."""
         running = list(self.running)
-        self._reset_probes_if_load_fell()
         gamma = self.drafter.gamma if self.speculative else 0
-        drafting = self.speculative and not self._skip_drafting()
-        plain_check = drafting and not planned and self._plain_check_due()
-        if plain_check:
-            drafting = False
-            self.admitter.hold(len(running), gamma)
-            self._rounds_verifying = 0
-            self._last_drafted_ids = None
-            self.stats.plain_check_rounds += 1
-            self.stats.capacity.append(0)
-        elif self.speculative and not drafting:
-            self.admitter.skip(len(running), gamma)
-            self._rounds_without_draft += 1
-            self._rounds_verifying = 0
-            self._last_drafted_ids = None
-            self.stats.skipped_draft_rounds += 1
-            self.stats.capacity.append(0)
+        plan = self._plan_round(running, gamma, reads_prompt=bool(planned))
         blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
         draft_start = time.perf_counter()
         drafted_ids: set = set()
-        if drafting:
-            blocks, lengths, record, steady = self._draft_and_admit(running, gamma)
+        if plan.mode.drafts:
+            blocks, lengths, record, steady = self._draft_and_admit(running, gamma,
+                                                                    plan.probe_sample)
             drafted_ids = set(record.request_ids)
         verify_start = time.perf_counter()
-        if drafting and steady and self.config.update_cost_table:
+        if plan.mode.drafts and steady and self.config.update_cost_table:
             # Drafting as the round pays for it: the drafter's call and the admission after it.
             self.cost_table.observe_draft(verify_start - draft_start, len(running))
-        # Once a probe found nothing to verify (and no round has verified drafts since), a round
-        # that skips drafting, or a probe, leaves the features of the requests it does not draft
-        # with the verifier. While drafts are verified, rounds without drafts come between
-        # drafting rounds that draft the whole batch, and holding would only add a call to take
-        # the features back; a plain check is such a round.
-        holding = (self.speculative and self.config.hold_features and not plain_check
-                   and self._fruitless_load is not None and len(drafted_ids) < len(running))
+        holding = self._holds_features(plan, len(drafted_ids), len(running))
         hold = [holding and r.request_id not in drafted_ids or r.request_id in self._held
                 for r in running]
         chunks = [self._holding_chunk(chunk, holding) for _, chunk in planned]
@@ -449,65 +419,43 @@ class Engine:
         # The step as the round pays for it: with a remote verifier the call's (de)serialising
         # and transfers too, which grow with the drafts sent and accepted (features), not only
         # the forward the verifier reports in result.step_seconds.
-        verify_seconds = time.perf_counter() - verify_start
-        self.stats.rounds += 1
-        # A forward that also read prompt chunks: its time is split by tokens between the
-        # stages, and it is no sample of SPS(B) for the cost table.
-        prompt_share = result.prefill_tokens / (result.prefill_tokens + result.batch_tokens)
-        self.stats.prefill_seconds += result.step_seconds * prompt_share
-        self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
-        self.stats.verify_call_seconds += max(0.0, verify_seconds - result.step_seconds)
-        self.stats.batch_tokens.append(result.batch_tokens)
-        if self.config.update_cost_table and not result.prefill_tokens:
-            self.cost_table.observe(len(running), result.batch_tokens, verify_seconds)
-        if self.round_observer is not None and drafting:
+        self._record_verify_step(result, len(running), time.perf_counter() - verify_start)
+        if self.round_observer is not None and plan.mode.drafts:
             if record.num_accepted is None:  # every running request: its acceptance is known now
                 record.num_accepted = list(result.num_accepted)
             self.round_observer(record)
-
-        outputs = []
-        logprobs = result.logprobs or [None] * len(running)
-        for r, n, accepted, tokens, features, held, token_logprobs in zip(
-                running, lengths, result.num_accepted, result.output_tokens, result.features,
-                hold, logprobs):
-            self._record_metrics(r, int(n), accepted, gamma)
-            if held:
-                self._held.add(r.request_id)
-            elif self.speculative:
-                first = r.anchor_position
-                self.drafter.append_context(r.request_id, features,
-                                            torch.arange(first, first + 1 + accepted),
-                                            torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
-            outputs.append(self._emit(r, tokens, token_logprobs))
+        outputs = self._commit(running, lengths, hold, result, gamma)
         outputs += self._take_chunks(planned, result.prefill, chunks) if planned else []
         self._retire_finished()
         return outputs
 
-    def _holding_chunk(self, chunk: PrefillChunk, holding: bool) -> PrefillChunk:
-        """The chunk, its features held by the verifier in a round that holds features (or when
-        the request's earlier features are held: its context stays in order)."""
-        if holding or chunk.request_id in self._held:
-            return dataclasses.replace(chunk, hold_features=True)
-        return chunk
+    def _plan_round(self, running: list[Request], gamma: int, reads_prompt: bool) -> RoundPlan:
+        """What this round does before verification (the drafting gate decides from the
+        admission's old decision, the load and which requests run); a round that drafts nothing
+        is recorded with the admission here."""
+        self.drafting_gate.reset_if_load_fell(self._load())
+        if not self.speculative:
+            return RoundPlan(RoundMode.TARGET_ONLY)
+        plan = self.drafting_gate.plan_round(
+            [r.request_id for r in running], self.admitter.capacity_known_zero(),
+            self.admitter.planned_gain(), reads_prompt)
+        if plan.mode is RoundMode.PLAIN_CHECK:
+            self.admitter.plain_check(len(running), gamma)
+            self.stats.plain_check_rounds += 1
+            self.stats.capacity.append(0)
+        elif plan.mode is RoundMode.SKIP:
+            self.admitter.skip(len(running), gamma)
+            self.stats.skipped_draft_rounds += 1
+            self.stats.capacity.append(0)
+        return plan
 
-    def _take_held(self, requests: Sequence[Request]) -> None:
-        """Before drafting: hand the drafter the features the verifier held for these requests."""
-        wanted = [r.request_id for r in requests if r.request_id in self._held]
-        if not wanted:
-            return
-        for rid, pieces in zip(wanted, self.verifier.take_features(wanted)):
-            for piece in pieces:
-                self.drafter.append_context(rid, piece.features, piece.positions, piece.token_ids)
-            self._held.discard(rid)
-
-    def _draft_and_admit(self, running: list[Request], gamma: int
+    def _draft_and_admit(self, running: list[Request], gamma: int, sample: list[int] | None
                          ) -> tuple[list, np.ndarray, RoundRecord, bool]:
-        """Draft (every running request, or a probe's sample) and decide l_r: the blocks
-        [R] (None where not drafted), lengths [R], the round's record (num_accepted None
-        until verified, zeros for a sample, which verifies nothing), and whether this round's
-        drafting time is a sample of what drafting a round costs (`steady`, below)."""
-        self._rounds_without_draft = 0
-        sample = self._probe_sample(running)
+        """Draft (every running request, or a probe's `sample` of indices into `running`) and
+        decide l_r: the blocks [R] (None where not drafted), lengths [R], the round's record
+        (num_accepted None until verified, zeros for a sample, which verifies nothing), and
+        whether this round's drafting time is a sample of what drafting a round costs
+        (`steady`: DraftingGate.record_draft)."""
         drafted = running if sample is None else [running[i] for i in sample]
         start = time.perf_counter()
         self._take_held(drafted)
@@ -534,19 +482,11 @@ class Engine:
                                  [0] * len(drafted), [0] * len(drafted))
         self.stats.draft_seconds += mid - start
         self.stats.admission_seconds += time.perf_counter() - mid
-        drafted_ids = [r.request_id for r in running] if sample is None else None
-        # Only a steady round's drafting is a sample of what drafting costs a round: the
-        # drafter absorbs context lazily (at the next draft), so the first draft after skipped
-        # rounds, a probe's sample or a join also pays for the context of the rounds before;
-        # charging that to every draft would make a skip look like it pays for itself. (A
-        # probe's sample would also understate drafting the whole batch.)
-        steady = drafted_ids is not None and drafted_ids == self._last_drafted_ids
-        self._last_drafted_ids = drafted_ids
+        steady = self.drafting_gate.record_draft(
+            [r.request_id for r in running] if sample is None else None)
         if self.admitter.capacity_used is not None:
             self.stats.capacity.append(self.admitter.capacity_used)
-            self._back_off_probes(self.admitter.capacity_used)
-            verified = self.admitter.capacity_used > 0
-            self._rounds_verifying = self._rounds_verifying + 1 if verified else 0
+            self.drafting_gate.record_capacity(self.admitter.capacity_used, self._load())
         return blocks, lengths, record, steady
 
     def _positions_to_draft(self, gamma: int) -> int:
@@ -558,65 +498,70 @@ class Engine:
         planned = self.admitter.planned_capacity()
         return gamma if planned is None else min(gamma, planned + 1)
 
-    def _probe_sample(self, running: list[Request]) -> list[int] | None:
-        """Indices into the running batch for a probe that drafts only some of it: the requests
-        the last probe drafted that still run, then the newest joiners, up to `probe_requests`
-        (so each probe's requests bring little context the drafter has not absorbed). None when
-        this round is not a probe (K not known to be 0) or the whole batch fits the sample.
-        Depends on which requests run and their join order only, never on their tokens."""
-        limit = self.config.probe_requests
-        if limit == 0 or len(running) <= limit or not self.admitter.capacity_known_zero():
-            return None
-        kept = [i for i, r in enumerate(running) if r.request_id in self._probe_members]
-        newest = [i for i in reversed(range(len(running))) if i not in kept]
-        sample = sorted((kept + newest)[:limit])
-        self._probe_members = {running[i].request_id for i in sample}
-        return sample
+    def _holds_features(self, plan: RoundPlan, num_drafted: int, num_running: int) -> bool:
+        """Whether this round leaves the features of the requests it does not draft with the
+        verifier: once a probe found nothing to verify (and no round has verified drafts since),
+        a round that skips drafting, or a probe. While drafts are verified, rounds without
+        drafts come between drafting rounds that draft the whole batch, and holding would only
+        add a call to take the features back; a plain check is such a round."""
+        return (self.speculative and self.config.hold_features
+                and plan.mode is not RoundMode.PLAIN_CHECK
+                and self.drafting_gate.found_nothing_to_verify and num_drafted < num_running)
 
-    def _plain_check_due(self) -> bool:
-        """Whether this round, which would draft, gives it up to measure a round without drafts
-        (EngineConfig.plain_check_interval): only round counts and the planned (old) decision's
-        gain decide, never this round's drafts."""
-        interval = self.config.plain_check_interval
-        gain = self.admitter.planned_gain()
-        return (interval > 0 and self._rounds_verifying >= interval and gain is not None
-                and gain < self.config.plain_check_gain)
+    def _record_verify_step(self, result: VerifyOutput, num_running: int,
+                            verify_seconds: float) -> None:
+        """The verification step's times and tokens into the stats and the cost table."""
+        self.stats.rounds += 1
+        # A forward that also read prompt chunks: its time is split by tokens between the
+        # stages, and it is no sample of SPS(B) for the cost table.
+        prompt_share = result.prefill_tokens / (result.prefill_tokens + result.batch_tokens)
+        self.stats.prefill_seconds += result.step_seconds * prompt_share
+        self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
+        self.stats.verify_call_seconds += max(0.0, verify_seconds - result.step_seconds)
+        self.stats.batch_tokens.append(result.batch_tokens)
+        if self.config.update_cost_table and not result.prefill_tokens:
+            self.cost_table.observe(num_running, result.batch_tokens, verify_seconds)
 
-    def _skip_drafting(self) -> bool:
-        """Whether this round's K is known to be 0 (async_topk) and no probe is due."""
-        interval = self._probe_interval
-        return (interval > 0 and self._rounds_without_draft < interval - 1
-                and self.admitter.capacity_known_zero())
+    def _commit(self, running: list[Request], lengths: np.ndarray, hold: list[bool],
+                result: VerifyOutput, gamma: int) -> list[StepOutput]:
+        """The verified tokens into the requests and their metrics; the committed tokens'
+        features to the drafter, or held by the verifier (`hold` [R])."""
+        outputs = []
+        logprobs = result.logprobs or [None] * len(running)
+        for r, n, accepted, tokens, features, held, token_logprobs in zip(
+                running, lengths, result.num_accepted, result.output_tokens, result.features,
+                hold, logprobs):
+            self._record_metrics(r, int(n), accepted, gamma)
+            if held:
+                self._held.add(r.request_id)
+            elif self.speculative:
+                first = r.anchor_position
+                self.drafter.append_context(r.request_id, features,
+                                            torch.arange(first, first + 1 + accepted),
+                                            torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
+            outputs.append(self._emit(r, tokens, token_logprobs))
+        return outputs
 
-    def _back_off_probes(self, capacity_used: int) -> None:
-        """After a drafting round: a probe (K was 0, so it verified nothing) doubles the probe
-        interval, up to max_probe_interval, and remembers the load it found that at; a round
-        that could verify drafts resets it. Only past rounds' K decide, never this round's
-        drafts."""
-        base = self.config.probe_interval
-        if capacity_used > 0 or base == 0:
-            self._probe_interval, self._fruitless_load = base, None
-        else:
-            self._probe_interval = min(2 * self._probe_interval, self.config.max_probe_interval)
-            self._fruitless_load = min(self._load(), self._fruitless_load or self._load())
+    def _holding_chunk(self, chunk: PrefillChunk, holding: bool) -> PrefillChunk:
+        """The chunk, its features held by the verifier in a round that holds features (or when
+        the request's earlier features are held: its context stays in order)."""
+        if holding or chunk.request_id in self._held:
+            return dataclasses.replace(chunk, hold_features=True)
+        return chunk
+
+    def _take_held(self, requests: Sequence[Request]) -> None:
+        """Before drafting: hand the drafter the features the verifier held for these requests."""
+        wanted = [r.request_id for r in requests if r.request_id in self._held]
+        if not wanted:
+            return
+        for rid, pieces in zip(wanted, self.verifier.take_features(wanted)):
+            for piece in pieces:
+                self.drafter.append_context(rid, piece.features, piece.positions, piece.token_ids)
+            self._held.discard(rid)
 
     def _load(self) -> int:
         """Requests in the engine: waiting, reading their prompts or running."""
         return len(self.waiting) + len(self.prefilling) + len(self.running)
-
-    def _reset_probes_if_load_fell(self) -> None:
-        """At most half the load of any fruitless probe since the last reset, where drafts may
-        pay again: probe soon (the interval goes back to probe_interval). The load counts every
-        request in the engine, so a request that finishes while the next one waits or reads
-        its prompt leaves it as it was, and a join only makes it heavier; K that was 0 at a load
-        as a rule stays 0 at a heavier one (a verified token costs more the fuller the batch,
-        and drafting costs more with more requests). Half, not any fall: under steady load a
-        round often starts between one user's last token and its next request (16 -> 15 in the
-        engine), and resetting there kept the probes 12-28 rounds apart at 16 users (session
-        15). A smaller fall needs no probe to raise K: a skipped round hands on the K of the
-        running means at its own request count (Admitter.skip)."""
-        if self._fruitless_load is not None and 2 * self._load() <= self._fruitless_load:
-            self._probe_interval, self._fruitless_load = self.config.probe_interval, None
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _record_metrics(self, r: Request, verified: int, accepted: int, gamma: int) -> None:
@@ -659,18 +604,11 @@ class Engine:
         for r in [r for r in self.running if r.finished]:
             self._release(r)
             self.running.remove(r)
-        self._reset_probes_if_idle()
-
-    def _reset_probes_if_idle(self) -> None:
-        """An engine left with no request has the lightest load there is: the next request
-        starts with the probe interval at probe_interval, as on a fresh engine. (A round never
-        sees this load, so `_reset_probes_if_load_fell` in the round cannot.)"""
-        if not self._load():
-            self._reset_probes_if_load_fell()
+        self.drafting_gate.reset_if_idle(self._load())
 
     def _release(self, r: Request) -> None:
         self._held.discard(r.request_id)
-        self._probe_members.discard(r.request_id)
+        self.drafting_gate.forget(r.request_id)
         self.verifier.release(r.request_id)
         if self.speculative:
             self.drafter.release(r.request_id)

@@ -18,10 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Written with character classes so that this file does not match itself.
 LABEL = re.compile(
-    r"(?<![A-Za-z])[Ss][Ee][Ss][Ss][Ii][Oo][Nn][Ss]?[ _-]?\d+"  # a numbered work period, also in file names
+    r"(?<![A-Za-z])[Ss][Ee][Ss][Ss][Ii][Oo][Nn][Ss]?[\s_-]*\d+"  # a numbered work period, also in file names
     r"|\b[Tt][Hh][Ii][Ss]\s+[Ss][Ee][Ss][Ss][Ii][Oo][Nn]\b"
-    r"|\b[Ii][Ss][Ss][Uu][Ee][Ss]?[ _-]?#?\d+"  # a tracker reference
-    r"|\b[Pp][Aa][Rr][Tt][Ss]? \d+\b"
+    r"|\b[Ii][Ss][Ss][Uu][Ee][Ss]?[\s_-]*#?\d+"  # a tracker reference (also across a line break)
+    r"|\b[Pp][Aa][Rr][Tt][Ss]?\s+\d+\b"
 )
 MAX_TEXT_BYTES = 2_000_000  # larger tracked files are data (weights, answer sets), not prose
 
@@ -51,7 +51,8 @@ def test_the_pattern_catches_labels_and_spares_ordinary_words():
     # split in two, so that this file's own text holds no label
     for labelled in ("as in sess" "ion 13", "Sess" "ion 7's run", "sess" "ions 13-15",
                      "loadtest_sess" "ion9/", "iss" "ue 5 pa" "rt 4", "(Iss" "ue 4)", "iss" "ue #12",
-                     "this sess" "ion found", "in pa" "rt 3"):
+                     "this sess" "ion found", "in pa" "rt 3",
+                     "16 users (sess" "ion\n        15)", "iss" "ue\n 7"):
         assert LABEL.search(labelled), labelled
     for plain in ("a session token", "the phase-2 drafter", "part of the prompt", "issues a request",
                   "sessionless", "parts of 15 MiB"):

@@ -12,6 +12,12 @@ One `step()` is one round for every running request:
    lossless rejection sampling; the committed tokens' features go back to the drafter (or,
    for a request this round did not draft, wait in the verifier until it is next drafted);
 5. new tokens are checked against EOS / stop tokens / max_tokens and handed to the caller.
+When the verifier's KV cache cannot hold a round's tokens (`KVCacheFull`, nothing changed there),
+the newest request that holds cache is preempted, as vLLM's scheduler does by recomputation: its
+cache is released, it waits at the head of the queue, and when it joins again the target re-reads
+its prompt and output before the anchor without sampling anything, so the tokens it already has
+are kept and its output is what it would have been. Joining stops until a request finishes, so
+the others go on. A request that cannot fit alone ends with an error; nobody else is touched.
 The drafter, the admission and the verifier are separate objects with narrow interfaces; the
 loop does not know whether they are in-process or remote.
 
@@ -33,6 +39,7 @@ from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyK
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
 from dspark.logprobs import TokenLogprobs, check_num_top
+from dspark.models.kv_cache import KVCacheFull
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.sampling import SamplingParams
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
@@ -176,11 +183,20 @@ class Request:
     logprobs: int | None = None
     """Report the target's log-probability of each output token with this many top
     alternatives (dspark.logprobs); None = none."""
+    recomputing: bool = False
+    """Preempted after it had output: the target re-reads `tokens_to_read` (prompt and output
+    before the anchor) and samples nothing; it runs again from its anchor."""
 
     @property
     def anchor_position(self) -> int:
         """Position of the last produced token (the anchor): the target holds everything before."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def tokens_to_read(self) -> list[int]:
+        """What the target reads before the request runs: its prompt, or when recomputing
+        everything before its anchor."""
+        return self.prompt_ids + self.output_ids[:-1] if self.recomputing else self.prompt_ids
 
 
 @dataclass
@@ -193,6 +209,8 @@ class StepOutput:
     finish_reason: str | None
     logprobs: TokenLogprobs | None = None
     """The new tokens' log-probabilities (one row each) when the request asked."""
+    error: str | None = None
+    """finish_reason "error": why (the KV cache cannot hold the request even alone)."""
 
 
 @dataclass
@@ -213,6 +231,8 @@ class EngineStats:
     """async_topk probes that drafted only a sample of the running requests (probe_requests)."""
     plain_check_rounds: int = 0
     """async_topk rounds that drafted nothing although K could be > 0 (plain_check_interval)."""
+    preemptions: int = 0
+    """Requests preempted because the KV cache could not hold a round (see the module doc)."""
 
 
 @dataclass
@@ -256,6 +276,8 @@ class Engine:
         """Requests whose features the verifier holds for the drafter (hold_features)."""
         self.round_observer: Callable[[RoundRecord], None] | None = None
         """Called once per speculative round (after verification) with its RoundRecord."""
+        self._joins_paused = False
+        """Set by a preemption: nobody joins until a request leaves (or none holds cache)."""
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
@@ -281,6 +303,7 @@ class Engine:
             for r in [r for r in held if r.request_id == request_id]:
                 self._release(r)
                 held.remove(r)
+                self._joins_paused = False
         self.drafting_gate.reset_if_idle(self._load())
 
     def has_unfinished(self) -> bool:
@@ -288,20 +311,29 @@ class Engine:
 
     # -- the round ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        if self.config.prefill_chunk_tokens == 0:
-            outputs = self._admit_waiting()
+        outputs: list[StepOutput] = []
+        try:
+            if self.config.prefill_chunk_tokens == 0:
+                outputs += self._admit_waiting()
+                if self.running:
+                    outputs += self._round([])
+                return outputs
+            self._join_waiting()
+            chunks = self._plan_chunks()
             if self.running:
-                outputs += self._round([])
-            return outputs
-        self._join_waiting()
-        chunks = self._plan_chunks()
-        if self.running:
-            return self._round(chunks)
-        return self._prefill_only(chunks) if chunks else []
+                outputs += self._round(chunks)
+            elif chunks:
+                outputs += self._prefill_only(chunks)
+        except KVCacheFull as full:  # the verifier's cache is as it was before the call
+            outputs += self._preempt_newest(full)
+        return outputs
 
     def _join_waiting(self) -> None:
         """Waiting requests take the free slots (chunked prefill: their prompts come later), in
         arrival order, while their worst-case KV cache fits (EngineConfig.kv_cache_tokens)."""
+        if self._joins_paused and (self.running or self.prefilling):
+            return
+        self._joins_paused = False
         free = self.config.max_running - len(self.running) - len(self.prefilling)
         joining = self.waiting[:max(0, free)]
         if self.config.kv_cache_tokens:
@@ -319,23 +351,45 @@ class Engine:
             self.waiting = self.waiting[len(joining):]
             self.prefilling += joining
 
+    def _preempt_newest(self, full: KVCacheFull) -> list[StepOutput]:
+        """The cache could not hold this step: the request that joined last gives its cache up
+        and waits first in line (recomputed when it joins again), or, alone, ends with an error."""
+        holders = [*self.running, *self.prefilling]
+        victim = self.prefilling[-1] if self.prefilling else self.running[-1]
+        (self.prefilling if victim in self.prefilling else self.running).remove(victim)
+        self._release(victim)
+        if len(holders) == 1:
+            victim.finished, victim.finish_reason = True, "error"
+            self.drafting_gate.reset_if_idle(self._load())
+            return [StepOutput(victim.request_id, [], True, "error",
+                               error=f"the KV cache cannot hold this request ({full})")]
+        victim.prefilled = 0
+        victim.recomputing = bool(victim.output_ids)
+        self.waiting.insert(0, victim)
+        self._joins_paused = True
+        self.stats.preemptions += 1
+        return []
+
     def _kv_tokens_reserved(self, r: Request) -> int:
         gamma = self.drafter.gamma if self.speculative else 0
         block = self.config.kv_block_size
         return -(-(len(r.prompt_ids) + r.max_tokens + gamma + 1) // block) * block
 
-    def _plan_chunks(self, budget: int | None = None) -> list[tuple[Request, PrefillChunk]]:
+    def _plan_chunks(self, budget: int | None = None, requests: Sequence[Request] | None = None
+                     ) -> list[tuple[Request, PrefillChunk]]:
         """This round's prompt pieces, the oldest joiners first: up to `budget` prompt tokens
-        (None: prefill_chunk_tokens)."""
+        (None: prefill_chunk_tokens) of `requests` (None: every joiner)."""
         budget = self.config.prefill_chunk_tokens if budget is None else budget
         planned = []
-        for r in self.prefilling:
+        for r in self.prefilling if requests is None else requests:
             if budget == 0:
                 break
-            end = min(len(r.prompt_ids), r.prefilled + budget)
-            planned.append((r, PrefillChunk(r.request_id, r.prompt_ids[r.prefilled:end],
-                                            end == len(r.prompt_ids), r.sampling, r.generator,
-                                            continued=r.prefilled > 0, logprobs=r.logprobs)))
+            tokens = r.tokens_to_read
+            end = min(len(tokens), r.prefilled + budget)
+            final = end == len(tokens) and not r.recomputing  # a recompute samples nothing
+            planned.append((r, PrefillChunk(r.request_id, tokens[r.prefilled:end], final,
+                                            r.sampling, r.generator, continued=r.prefilled > 0,
+                                            logprobs=r.logprobs)))
             budget -= end - r.prefilled
         return planned
 
@@ -370,15 +424,24 @@ class Engine:
                 self.prefilling.remove(r)
                 self.running.append(r)
                 outputs.append(self._emit(r, [token], first_logprobs))
+            elif r.recomputing and end == len(r.tokens_to_read):
+                r.recomputing = False  # its anchor is its last output token again
+                self.prefilling.remove(r)
+                self.running.append(r)
         return outputs
 
     def _admit_waiting(self) -> list[StepOutput]:
         """Unchunked prefill: the joiners' whole prompts in one prompt-only forward, before the
         round; a joiner runs from its first token on."""
         self._join_waiting()
+        outputs = []
+        again = [r for r in self.prefilling if r.recomputing]
+        if again:  # preempted requests re-read their tokens without sampling
+            outputs += self._prefill_only(self._plan_chunks(
+                sum(len(r.tokens_to_read) for r in again), again))
         planned = self._plan_chunks(budget=sum(len(r.prompt_ids) for r in self.prefilling))
         if not planned:
-            return []
+            return outputs
         joining = [r for r, _ in planned]
         start = time.perf_counter()
         asked = [r.logprobs for r in joining]
@@ -386,7 +449,7 @@ class Engine:
                                     [r.sampling for r in joining], [r.generator for r in joining],
                                     asked if any(k is not None for k in asked) else None)
         self.stats.prefill_seconds += time.perf_counter() - start
-        outputs = self._take_chunks(planned, out)
+        outputs += self._take_chunks(planned, out)
         self._retire_finished()
         return outputs
 
@@ -604,6 +667,7 @@ class Engine:
         for r in [r for r in self.running if r.finished]:
             self._release(r)
             self.running.remove(r)
+            self._joins_paused = False
         self.drafting_gate.reset_if_idle(self._load())
 
     def _release(self, r: Request) -> None:

@@ -26,8 +26,9 @@ GAMMA = 4
 
 def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int = 8,
                 sparse_top_k: int | None = None, seed: int = 0, table: CostTable | None = None,
-                probe_interval: int = 8, **config) -> Engine:
-    runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS, kv_cache_tokens=8192))
+                probe_interval: int = 8, kv_cache_tokens: int = 8192, **config) -> Engine:
+    runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS,
+                                               kv_cache_tokens=kv_cache_tokens))
     drafter = None
     if with_drafter:
         torch.manual_seed(seed)
@@ -413,6 +414,57 @@ def test_prefill_chunks_need_the_right_request_state(tiny_target):
     whole = make_engine(tiny_target[0], "none").verifier.prefill(["w"], [[3, 9, 27]], [greedy], [None])
     out = verifier.verify([], [PrefillChunk("x", [27], True, greedy, continued=True)])
     assert out.prefill.first_tokens == whole.first_tokens
+
+
+@pytest.mark.parametrize("policy", ["none", f"fixed:{GAMMA}", "async_topk"])
+@pytest.mark.parametrize("chunk", [256, 3, 0])
+def test_a_full_kv_cache_preempts_the_newest_and_keeps_every_output(tiny_target, reference_greedy,
+                                                                   policy, chunk):
+    """64 KV tokens (4 blocks of 16) hold any one request (at most 7 prompt + 24 output + a
+    4-draft block = 3 blocks) but not six: rounds that do not fit preempt the newest request,
+    which is recomputed later; every output is still the reference, and the cache ends empty."""
+    engine = make_engine(tiny_target[0], policy, kv_cache_tokens=64, prefill_chunk_tokens=chunk)
+    requests = engine.generate(PROMPTS, SamplingParams(temperature=0), max_tokens=24)
+    assert [r.output_ids for r in requests] == reference_greedy
+    assert {r.finish_reason for r in requests} == {"length"}
+    assert engine.stats.preemptions > 0
+    manager = engine.verifier.runner.cache.manager
+    assert manager.num_free_blocks == manager.num_blocks == 4
+
+
+@pytest.mark.parametrize("chunk", [256, 0])
+def test_a_preempted_seeded_request_samples_what_it_would_have(tiny_target, chunk):
+    """Recomputation re-reads the tokens a request has and samples nothing, so its seeded random
+    stream goes on where it stopped: the outputs equal those of a cache with room for all."""
+    params = SamplingParams(temperature=1.0, seed=7)
+    roomy = make_engine(tiny_target[0], "none", prefill_chunk_tokens=chunk)
+    tight = make_engine(tiny_target[0], "none", kv_cache_tokens=64, prefill_chunk_tokens=chunk)
+    expected = [r.output_ids for r in roomy.generate(PROMPTS, params, max_tokens=24)]
+    assert [r.output_ids for r in tight.generate(PROMPTS, params, max_tokens=24)] == expected
+    assert tight.stats.preemptions > 0 and roomy.stats.preemptions == 0
+
+
+@pytest.mark.parametrize("long_first", [True, False])
+@pytest.mark.parametrize("chunk", [256, 16, 0])
+def test_a_request_the_kv_cache_cannot_hold_alone_ends_alone(tiny_target, reference_greedy,
+                                                            long_first, chunk):
+    """A 40-token prompt in a 32-token cache ends with an error naming the cache; the request
+    beside it runs to its reference output."""
+    engine = make_engine(tiny_target[0], "none", kv_cache_tokens=32, prefill_chunk_tokens=chunk)
+    greedy = SamplingParams(temperature=0)
+    add_long = lambda: engine.add_request(list(range(3, 43)), greedy, 8)  # noqa: E731
+    add_short = lambda: engine.add_request(PROMPTS[1], greedy, 24)  # noqa: E731
+    long_id, short_id = (add_long(), add_short()) if long_first else (add_short(), add_long())[::-1]
+    tokens, last = {long_id: [], short_id: []}, {}
+    for out in engine.stream():
+        tokens[out.request_id] += out.new_token_ids
+        if out.finished:
+            last[out.request_id] = out
+    assert last[long_id].finish_reason == "error" and "KV cache" in last[long_id].error
+    assert tokens[long_id] == []
+    assert last[short_id].finish_reason == "length" and last[short_id].error is None
+    assert tokens[short_id] == reference_greedy[1]
+    assert engine.verifier.runner.cache.manager.num_free_blocks == 2
 
 
 def test_same_seed_same_output(tiny_target):

@@ -25,10 +25,8 @@ from opentelemetry import trace
 
 from dspark.engine import Engine, Request, RequestMetrics, RoundRecord
 from dspark.logprobs import TokenLogprobs
-from dspark.models.kv_cache import KVCacheFull
 from dspark.sampling import SamplingParams
 from dspark.serving.metrics import SchedulerMetrics
-from dspark.serving.remote_verifier import VerifierKVCacheFull
 from dspark.serving.store import RequestStore, RoundUpdate, StoredRequest
 
 # Save the (live-refreshed) cost table to the store every this many rounds.
@@ -207,7 +205,7 @@ class EngineLoop:
         rounds_before, verify_before = stats.rounds, stats.verify_seconds
         capacity_before = len(stats.capacity)
         stages_before = _stage_seconds(stats)
-        skipped_before = stats.skipped_draft_rounds
+        skipped_before, preempted_before = stats.skipped_draft_rounds, stats.preemptions
         step_start = time.perf_counter()
         parent, links = self._round_parent()
         with self.tracer.start_as_current_span("scheduler.round", context=parent,
@@ -216,8 +214,6 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception as e:  # a service failed past its retries: fail, never hang
                 self.logger.exception("round failed; failing its requests")
-                if isinstance(e, (KVCacheFull, VerifierKVCacheFull)):
-                    self.metrics.record_refused("kv_cache_full", len(self._live))
                 self._fail_all(f"{type(e).__name__}: {e}")
                 self._record_kv_cache_usage()
                 return
@@ -240,12 +236,15 @@ class EngineLoop:
                 continue
             live.events.put(StreamEvent(list(out.new_token_ids), out.finished, out.finish_reason,
                                         copy.deepcopy(live.request.metrics) if out.finished else None,
-                                        logprobs=out.logprobs))
+                                        out.error, logprobs=out.logprobs))
+            if out.error is not None:  # the KV cache cannot hold it even alone
+                self.metrics.record_refused("kv_cache_full")
             if out.finished:
                 self._close(rid, out.finish_reason)
         stages = {k: v - stages_before[k] for k, v in _stage_seconds(stats).items()}
         stages["other"] = max(0.0, step_seconds - sum(stages.values()))
         self.metrics.record_stage_seconds(stages, stats.skipped_draft_rounds - skipped_before)
+        self.metrics.record_preemptions(stats.preemptions - preempted_before)
         self.metrics.record_round(
             sum(len(o.new_token_ids) for o in outputs), batch_tokens,
             stats.verify_seconds - verify_before if verified else None, capacity,

@@ -33,8 +33,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 REFUSAL_REASONS = ("queue_full", "kv_cache_full")
 """Reasons of `dspark:num_requests_refused_total`: queue_full = the waiting queue was at
 max_waiting (HTTP 429 / RESOURCE_EXHAUSTED before the request started); kv_cache_full = the
-verifier's KV cache could not hold a round's tokens, which ends that round's requests with
-finish_reason "error"."""
+verifier's KV cache cannot hold a request even alone, which ends that request with finish_reason
+"error" (when it cannot hold a round of several, the newest is preempted instead:
+`dspark:num_preemptions_total`)."""
 
 # vLLM's bucket edges, so percentiles from both servers are comparable on one dashboard.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -82,6 +83,10 @@ class SchedulerMetrics:
                                             "by reason.", "reason")
         for reason in REFUSAL_REASONS:
             self.num_requests_refused.labels(model_name, reason)
+        self.num_preemptions = counter(
+            "num_preemptions",
+            "Requests preempted (cache released, recomputed later) because the verifier's KV "
+            "cache could not hold a round.").labels(model_name)
         self.request_success = counter("request_success", "Finished requests by reason.",
                                        "finished_reason")
         for reason in FINISH_REASONS:
@@ -175,6 +180,9 @@ class SchedulerMetrics:
     def record_refused(self, reason: str, num_requests: int = 1) -> None:
         """`reason` from REFUSAL_REASONS."""
         self.num_requests_refused.labels(self.model_name, reason).inc(num_requests)
+
+    def record_preemptions(self, num_requests: int) -> None:
+        self.num_preemptions.inc(num_requests)
 
     def record_stage_seconds(self, seconds: dict[str, float], skipped_draft_rounds: int = 0) -> None:
         """One engine step's time by stage (keys from ROUND_STAGES) and its skipped drafting rounds."""

@@ -27,6 +27,7 @@ import torch
 from dspark.cost_table import CostTable
 from dspark.feature_stash import FeaturePiece
 from dspark.logprobs import TokenLogprobs
+from dspark.models.kv_cache import KVCacheFull
 from dspark.sampling import SamplingParams
 from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import channel
@@ -42,9 +43,12 @@ class VerifierRejected(ValueError):
     """The verifier refused a call as invalid (INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
 
 
-class VerifierKVCacheFull(VerifierRejected):
+class VerifierKVCacheFull(VerifierRejected, KVCacheFull):
     """The verifier's KV cache could not hold the call's tokens (RESOURCE_EXHAUSTED); nothing
-    changed there (the remote side of dspark.models.kv_cache.KVCacheFull)."""
+    changed there (the remote side of dspark.models.kv_cache.KVCacheFull: the engine preempts)."""
+
+    def __init__(self, details: str) -> None:
+        Exception.__init__(self, details)
 
 
 @dataclass
@@ -101,6 +105,10 @@ class RemoteVerifier:
 
     def verify(self, requests: Sequence[VerifyRequest],
                prefill: Sequence[PrefillChunk] = ()) -> VerifyOutput:
+        for req in requests:  # a recomputed request (Engine preemption) read no anchor yet
+            history = self._history.get(str(req.request_id))
+            if history is not None and not history.produced:
+                history.produced.append(int(req.anchor_token))
         items = []
         for req in requests:
             tokens, probs, indices = messages.admitted_drafts_to_pb(req.block, req.num_drafts)

@@ -45,11 +45,12 @@ class Stack:
 
 
 def start_verifier(models: TinyModels, name: str = "verifier", port: int | None = None,
-                   env: dict[str, str] | None = None) -> tuple[ServiceProcess, str]:
+                   env: dict[str, str] | None = None, kv_cache_tokens: int = 8192
+                   ) -> tuple[ServiceProcess, str]:
     port = port or free_port()
     proc = ServiceProcess(name, [
         "services.verifier", "--port", str(port), "--model-dir", str(models.target_dir),
-        "--drafter-dir", str(models.drafter_dir), "--kv-cache-tokens", "8192",
+        "--drafter-dir", str(models.drafter_dir), "--kv-cache-tokens", str(kv_cache_tokens),
         "--max-context-tokens", "256", "--cost-table", str(models.cost_table),
         *tracing_args(models, name)], log_dir=models.work, env=env or {}).start()
     return proc, f"127.0.0.1:{port}"

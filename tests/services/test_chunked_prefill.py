@@ -75,3 +75,36 @@ def test_verifier_restarted_between_chunks_is_restored(launcher, local):
     finally:
         remote.close()
         verifier.stop()
+
+
+def test_a_recomputed_request_is_restored_with_its_anchor(launcher, local):
+    """A preempted request (dspark.engine) is recomputed as chunks that sample nothing, then
+    verified from its anchor, which no chunk read: a verifier restarted after that must be
+    restored with the anchor in place, so the next steps give the local tokens and features
+    (the tiny target repeats its last token, so the features are what tells a lost token)."""
+    greedy = [local.prefill(["ref"], [PROMPT], [GREEDY], [None]).first_tokens[0]]
+    features = []
+    for _ in range(6):
+        step = local.verify([VerifyRequest("ref", greedy[-1], None, 0, GREEDY)])
+        greedy += step.output_tokens[0]
+        features.append(step.features[0])
+    local.release("ref")
+    verifier, address = launcher.verifier("verifier_recompute_restart")
+    port = int(address.rsplit(":", 1)[1])
+    remote = RemoteVerifier(address, wait_seconds=60)
+    try:
+        wait_grpc(verifier, address)
+        # two outputs so far: the first is re-read, the second is the anchor
+        recompute = PrefillChunk("rc", PROMPT + greedy[:1], False, GREEDY)
+        assert remote.verify([], [recompute]).prefill.first_tokens == [None]
+        for i in range(1, 6):
+            if i == 3:  # restarted: the next call restores
+                verifier.proc.send_signal(signal.SIGSTOP)
+                verifier.stop(signal.SIGKILL)
+                verifier, _ = launcher.verifier("verifier_recompute_restarted", port=port)
+            step = remote.verify([VerifyRequest("rc", greedy[i], None, 0, GREEDY)])
+            assert step.output_tokens == [greedy[i + 1:i + 2]], i
+            torch.testing.assert_close(step.features[0], features[i], atol=1e-4, rtol=1e-4)
+    finally:
+        remote.close()
+        verifier.stop()

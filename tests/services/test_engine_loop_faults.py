@@ -6,7 +6,8 @@ of failing the round. References: each request's solo greedy output.
 
 Also the metrics of the KV cache: the usage gauge follows a running request's blocks (its prompt
 and outputs but the anchor, in blocks of 16) and is 0 once it is released; a round that
-overflows the cache counts its requests as refused (kv_cache_full)."""
+overflows the cache preempts a request (num_preemptions), which still gets its whole output, and
+only a request the cache cannot hold alone is refused (kv_cache_full)."""
 
 from __future__ import annotations
 
@@ -234,10 +235,11 @@ def test_kv_cache_usage_follows_a_running_request_and_returns_to_0(tiny_models, 
     assert metrics.sample("dspark:kv_cache_usage_perc") == 0.0
 
 
-def test_a_round_that_overflows_the_kv_cache_counts_its_requests_as_refused(tiny_models):
-    """32 KV tokens (2 blocks) and no reservation in the engine: two requests outgrow the cache
-    mid-generation; the round fails (KVCacheFull) and ends both with an error."""
-    runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=32)
+def test_rounds_that_overflow_the_kv_cache_preempt_and_lose_nothing(tiny_models, solo):
+    """48 KV tokens (3 blocks) and no reservation in the engine: two requests outgrow the cache
+    mid-generation; the newest is preempted and recomputed, both streams get their solo output,
+    and a third request whose prompt the cache cannot hold even alone ends with an error."""
+    runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=48)
     drafter = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.load(tiny_models.cost_table),
                     EngineConfig(policy="async_topk", update_cost_table=False))
@@ -245,12 +247,18 @@ def test_a_round_that_overflows_the_kv_cache_counts_its_requests_as_refused(tiny
     loop = start_loop(engine, InMemoryRequestStore(), metrics)
     try:
         streams = [loop.submit(submission(i, p)) for i, p in enumerate(PROMPTS[:2])]
-        for events in streams:
-            _, last = drain(events)
-            assert last.finish_reason == "error" and "KVCacheFull" in last.error
+        too_long = loop.submit(submission(9, [5] * 60))
+        for p, events in zip(PROMPTS[:2], streams):
+            tokens, last = drain(events)
+            assert last.finish_reason == "length" and last.error is None
+            assert tokens == solo[tuple(p)]
+        tokens, last = drain(too_long)
+        assert tokens == [] and last.finish_reason == "error" and "KV cache" in last.error
     finally:
         loop.stop(1.0)
-    assert metrics.sample("dspark:num_requests_refused_total", reason="kv_cache_full") == 2
+    assert engine.stats.preemptions > 0
+    assert metrics.sample("dspark:num_preemptions_total") == engine.stats.preemptions
+    assert metrics.sample("dspark:num_requests_refused_total", reason="kv_cache_full") == 1
     assert metrics.sample("dspark:num_requests_refused_total", reason="queue_full") == 0
     assert metrics.sample("dspark:kv_cache_usage_perc") == 0.0
     assert runner.cache.manager.usage == 0.0

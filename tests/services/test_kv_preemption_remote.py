@@ -1,0 +1,44 @@
+"""Preemption against a verifier process: its KV cache (48 tokens, 3 blocks) holds any one
+request but not two, so Verify calls are refused with RESOURCE_EXHAUSTED (nothing changed
+there); the engine preempts the newest request and recomputes it later, and every output equals
+the request's greedy output generated alone."""
+
+from __future__ import annotations
+
+from dspark.cost_table import CostTable
+from dspark.engine import Engine, EngineConfig
+from dspark.loading import load_method_drafter, load_target
+from dspark.sampling import SamplingParams
+from dspark.serving.local_stack import wait_grpc
+from dspark.serving.remote_verifier import RemoteVerifier
+from dspark.serving.tiny_models import LAYER_IDS
+from dspark.verifier import TargetVerifier
+
+PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2]]
+MAX_TOKENS = 20
+GREEDY = SamplingParams(temperature=0)
+
+
+def engine_on(verifier, models, runner) -> Engine:
+    drafter = load_method_drafter(models.drafter_dir, runner, apply_calibration=True)
+    return Engine(verifier, drafter, CostTable.load(models.cost_table),
+                  EngineConfig(policy="async_topk", update_cost_table=False))
+
+
+def test_an_engine_preempts_when_the_verifier_process_is_full(launcher, tiny_models):
+    runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=4096)
+    solo = [engine_on(TargetVerifier(runner), tiny_models, runner).generate(
+        [p], GREEDY, MAX_TOKENS)[0].output_ids for p in PROMPTS]
+    verifier, address = launcher.verifier("verifier_small_cache", kv_cache_tokens=48)
+    remote = RemoteVerifier(address, wait_seconds=60)
+    try:
+        wait_grpc(verifier, address)
+        engine = engine_on(remote, tiny_models, runner)
+        requests = engine.generate(PROMPTS, GREEDY, MAX_TOKENS)
+        assert [r.output_ids for r in requests] == solo
+        assert {r.finish_reason for r in requests} == {"length"}
+        assert engine.stats.preemptions > 0
+        assert remote.kv_cache_usage == 0.0
+    finally:
+        remote.close()
+        verifier.stop()

@@ -12,7 +12,10 @@
 #   nohup bash scripts/drafter_campaign.sh > runs/drafter_campaign.log 2>&1 &
 #   .venv/bin/python scripts/export_drafter.py ~/.cache/dspark/campaign/dspark-markov checkpoints/dspark-markov
 # STEPS (default 800) sets the schedule's length (raise it to go on after a finished run: the cosine
-# stretches to the new length from the step reached), THREADS (default 1) torch's threads.
+# stretches to the new length from the step reached), THREADS (default 1) torch's threads. SEED
+# (default: the number of the phase this run trains, one more than the shipped drafter's
+# train_log_phaseN files + 1) orders the answers and anchors, so that each phase starts on answers
+# the phase before it did not reach first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 renice -n 10 $$ >/dev/null
@@ -25,6 +28,8 @@ for name in greedy t1; do
 done
 DATA=../shared/data/answers/smollm2_greedy_fp32.jsonl.gz,data/smollm2_answers_t1.jsonl.gz,data/smollm2_answers.jsonl.gz
 DATA=$DATA,$CAMPAIGN/greedy_answers.jsonl.gz,$CAMPAIGN/t1_answers.jsonl.gz
+last=$(ls checkpoints/dspark-markov | sed -n 's/^train_log_phase\([0-9]*\)\.jsonl$/\1/p' | sort -n | tail -1)
+SEED=${SEED:-$(( ${last:-0} + 2 ))}
 T=$(.venv/bin/python -c "from dspark.fetch import ensure_model; print(ensure_model())")
 exec .venv/bin/dspark train --data "$DATA" --target "$T" --out "$OUT" \
   --method markov --layers 2 --markov-rank 64 --gamma 7 --draft-vocab 8192 --inject-last-context \
@@ -32,4 +37,4 @@ exec .venv/bin/dspark train --data "$DATA" --target "$T" --out "$OUT" \
   --steps "${STEPS:-800}" --warmup 30 --lr 1e-3 --batch 4 --anchors 128 \
   --target-dtype bfloat16 --student-dtype bfloat16 --teacher-cache --teacher-cache-gb 6 \
   --log-every 10 --save-every 50 --eval-every "${EVAL_EVERY:-200}" --eval-examples 64 --eval-anchors 64 \
-  --threads "${THREADS:-1}" --no-progress
+  --threads "${THREADS:-1}" --seed "$SEED" --no-progress

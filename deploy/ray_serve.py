@@ -52,6 +52,7 @@ from dspark.serving.config import (  # noqa: E402
     SchedulerConfig,
     VerifierServiceConfig,
     add_arguments,
+    engine_field,
     from_args,
 )
 
@@ -82,13 +83,16 @@ class RayServeConfig:
                                   "only")
     cost_table: str = _field("", "SPS(B) table JSON for the verifiers; default: measured at start")
     model_name: str = _field("dspark", "the model name clients send")
-    policy: str = _field("async_topk", "async_topk | sync_greedy | none | fixed:N | threshold:H")
+    policy: str = engine_field(
+        "policy", "async_topk | sync_greedy | none | fixed:N | threshold:H", from_engine=str)
     dtype: str = _field("float32", "float32 | bfloat16 (verifier and drafter)")
     kv_cache_tokens: int = _field(65536, "each verifier's KV cache capacity in tokens")
     max_context_tokens: int = _field(4096, "longest prompt + output of one request")
     max_tokens_limit: int = _field(2048, "largest max_tokens a client may ask for")
-    max_running: int = _field(16, "requests verified together in one round (per cell)")
-    update_cost_table: bool = _field(True, "schedulers refresh SPS(B) from measured steps")
+    max_running: int = engine_field(
+        "max_running", "requests verified together in one round (per cell)")
+    update_cost_table: bool = engine_field(
+        "update_cost_table", "schedulers refresh SPS(B) from measured steps")
     api_keys: str = _field("", "comma-separated accepted Bearer keys; empty = no auth")
     redis_url: str = _field("", "redis://host:port/db for request state; empty = in memory")
     redis_prefix: str = _field("dspark:", "key prefix; cell i writes under <prefix>cell<i>: "

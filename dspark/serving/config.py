@@ -4,6 +4,8 @@ One frozen dataclass per service, one docstring-like `help` per field, validatio
 construction. `add_arguments` turns a config class into argparse flags (`--field-name`, default
 from `DSPARK_<SERVICE>_<FIELD_NAME>` when set, else the field's default) and `from_args` builds
 the validated config back, so flags, env and defaults are resolved in exactly one place.
+Flags that set the engine (`engine_field`: the scheduler's, and deploy/ray_serve.py's) take
+their defaults from `dspark.engine.EngineConfig`; `SchedulerConfig.engine_config` builds it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+if TYPE_CHECKING:
+    from dspark.engine import EngineConfig
 
 C = TypeVar("C")
 
@@ -36,6 +41,27 @@ def _field(default: Any, help: str, **kwargs: Any) -> Any:
     """A config field; `secret=True` keeps its value out of repr() and --help."""
     return field(default=default, metadata={"help": help, **kwargs},
                  repr=not kwargs.get("secret", False))
+
+
+def engine_field(name: str, help: str, *, from_engine: Callable[[Any], Any] = lambda v: v,
+                 to_engine: Callable[[Any], Any] = lambda v: v) -> Any:
+    """A config field that sets `EngineConfig.<name>` (whose docstring says what it does).
+    Its default is EngineConfig's, so the two cannot drift; it is read when first needed, as
+    dspark.engine imports torch. `from_engine` turns the engine's value into the flag's,
+    `to_engine` (`SchedulerConfig.engine_config`) the flag's back."""
+
+    def engine_default() -> Any:
+        from dspark.engine import EngineConfig
+
+        return from_engine(getattr(EngineConfig(), name))
+
+    return field(default_factory=engine_default,
+                 metadata={"help": help, "engine_field": name, "to_engine": to_engine})
+
+
+def engine_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls` made by `engine_field`: those that set an EngineConfig field."""
+    return [f for f in dataclasses.fields(cls) if "engine_field" in f.metadata]
 
 
 def _check_port(port: int, what: str) -> None:
@@ -138,23 +164,32 @@ class SchedulerConfig(TracingFields, InternalTokenFields):
     drafter: str = _field("127.0.0.1:50051", "drafter service address; empty = no drafter")
     model_dir: str = _field("", "target model folder, for its tokenizer (default: prepared SmolLM2)")
     model_name: str = _field("dspark", "the model name clients send and /v1/models lists")
-    policy: str = _field("async_topk", "async_topk | sync_greedy | none | fixed:N | threshold:H")
-    max_running: int = _field(16, "requests verified together in one round (per cohort)")
+    # The engine's knobs: defaults from EngineConfig, which documents each in full.
+    policy: str = engine_field(
+        "policy", "async_topk | sync_greedy | none | fixed:N | threshold:H", from_engine=str)
+    max_running: int = engine_field(
+        "max_running", "requests verified together in one round (per cohort)")
     cohorts: int = _field(1, "engine loops over the same services, so one cohort drafts while "
                              "another verifies (dspark.serving.cohorts); 1 = strict alternation")
-    sparse_top_k: int = _field(0, "ship draft distributions as top-k; 0 = dense")
-    prefill_chunk_tokens: int = _field(256, "chunked prefill: prompt tokens read per round, in "
-                                            "the round's verification forward; 0 = whole "
-                                            "prompts in a forward of their own")
-    probe_requests: int = _field(4, "async_topk: a probe (a round whose K is known to be 0) "
-                                    "drafts at most this many requests (those of the last "
-                                    "probe still running, then the newest); 0 = all")
-    hold_features: bool = _field(True, "async_topk, after a fruitless probe: the verifier keeps "
-                                       "the features of requests a round does not draft until "
-                                       "they are drafted")
-    min_gain: float = _field(1.05, "async_topk: verify drafts only when the expected tokens/s "
-                                   "gain at least this factor over none; 1 = plain argmax")
-    update_cost_table: bool = _field(True, "refresh SPS(B) from measured verification steps")
+    sparse_top_k: int = engine_field(
+        "sparse_top_k", "ship draft distributions as top-k; 0 = dense",
+        from_engine=lambda k: k or 0, to_engine=lambda k: k or None)  # the engine's dense: None
+    prefill_chunk_tokens: int = engine_field(
+        "prefill_chunk_tokens", "chunked prefill: prompt tokens read per round, in the round's "
+                                "verification forward; 0 = whole prompts in a forward of their "
+                                "own")
+    probe_requests: int = engine_field(
+        "probe_requests", "async_topk: a probe (a round whose K is known to be 0) drafts at most "
+                          "this many requests (those of the last probe still running, then the "
+                          "newest); 0 = all")
+    hold_features: bool = engine_field(
+        "hold_features", "async_topk, after a fruitless probe: the verifier keeps the features "
+                         "of requests a round does not draft until they are drafted")
+    min_gain: float = engine_field(
+        "min_gain", "async_topk: verify drafts only when the expected tokens/s gain at least "
+                    "this factor over none; 1 = plain argmax")
+    update_cost_table: bool = engine_field(
+        "update_cost_table", "refresh SPS(B) from measured verification steps")
     max_tokens_limit: int = _field(2048, "largest max_tokens a client may ask for")
     redis_url: str = _field("", "redis://host:port/db for request state; empty = in memory")
     redis_prefix: str = _field("dspark:", "prefix of every Redis key this scheduler writes")
@@ -197,6 +232,14 @@ class SchedulerConfig(TracingFields, InternalTokenFields):
         AdmissionPolicy.parse(self.policy)
         self._check_tracing()
 
+    def engine_config(self, **scheduler_decided: Any) -> EngineConfig:
+        """One cohort's EngineConfig: the engine fields' values, and what the scheduler decides
+        from its services (`objective`, `kv_cache_tokens`, `kv_block_size`)."""
+        from dspark.engine import EngineConfig
+
+        return EngineConfig(**{f.metadata["engine_field"]: f.metadata["to_engine"](
+            getattr(self, f.name)) for f in engine_fields(type(self))}, **scheduler_decided)
+
     @property
     def api_key_set(self) -> frozenset[str]:
         from dspark.serving.auth import parse_keys, read_secret_file
@@ -229,9 +272,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -
     for f in dataclasses.fields(cls):
         kind = _field_type(cls, f)
         env = f"{env_prefix}_{f.name.upper()}"
-        default = f.default
         if env in os.environ:
             default = _parse_value(kind, os.environ[env])
+        elif f.default is dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = f.default
         shown = repr(default.value if isinstance(default, enum.Enum) else default)
         if f.metadata.get("secret"):  # --help must not print a key taken from the environment
             shown = "set" if default else "''"

@@ -69,9 +69,9 @@ class Cohort:
 
 def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Cohort:
     """A RemoteVerifier, a RemoteDrafter (unless none) and an Engine over them."""
-    from dspark.admission import AdmissionPolicy
+    from dspark.admission import PolicyKind
     from dspark.cost_table import CostTable, ThetaObjective
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import Engine
     from dspark.serving import grpc_runtime
     from dspark.serving.remote_drafter import RemoteDrafter
     from dspark.serving.remote_verifier import RemoteVerifier
@@ -88,9 +88,15 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
     token = config.internal_token_value
     verifier = RemoteVerifier(config.verifier, config.verifier_wait_seconds, on_restore=restored,
                               internal_token=token)
-    policy = AdmissionPolicy.parse(config.policy)
+    # One cohort drafts and verifies in turn; several overlap one's drafting with another's
+    # verification, so drafting is (roughly) free to each: the paper's objective.
+    engine_config = config.engine_config(
+        objective=ThetaObjective.SHARED_DEVICE if config.cohorts == 1 else ThetaObjective.PAPER,
+        # The cohorts share the verifier's cache: an equal part each.
+        kv_cache_tokens=verifier.kv_cache_tokens // config.cohorts,
+        kv_block_size=verifier.kv_block_size)
     drafter = None
-    if config.drafter and str(policy) != "none":
+    if config.drafter and engine_config.policy.kind is not PolicyKind.NONE:
         drafter = RemoteDrafter(config.drafter, config.draft_timeout_seconds,
                                 config.drafter_retry_seconds, config.verifier_wait_seconds,
                                 on_state_change=drafter_state, internal_token=token)
@@ -99,21 +105,7 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
                              f"verifier returns {verifier.hidden_layer_ids}")
     # Each engine refreshes its own copy of SPS(B) (CostTable is not shared across threads).
     table = CostTable.from_dict(cost_table.to_dict())
-    # One cohort drafts and verifies in turn; several overlap one's drafting with another's
-    # verification, so drafting is (roughly) free to each: the paper's objective.
-    objective = ThetaObjective.SHARED_DEVICE if config.cohorts == 1 else ThetaObjective.PAPER
-    engine = Engine(verifier, drafter, table,
-                    EngineConfig(policy=policy, max_running=config.max_running,
-                                 sparse_top_k=config.sparse_top_k or None,
-                                 probe_requests=config.probe_requests,
-                                 hold_features=config.hold_features,
-                                 min_gain=config.min_gain,
-                                 prefill_chunk_tokens=config.prefill_chunk_tokens,
-                                 update_cost_table=config.update_cost_table, objective=objective,
-                                 # The cohorts share the verifier's cache: an equal part each.
-                                 kv_cache_tokens=verifier.kv_cache_tokens // config.cohorts,
-                                 kv_block_size=verifier.kv_block_size))
-    return Cohort(verifier, drafter, engine)
+    return Cohort(verifier, drafter, Engine(verifier, drafter, table, engine_config))
 
 
 def start(config: SchedulerConfig) -> Scheduler:

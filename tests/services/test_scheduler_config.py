@@ -1,5 +1,5 @@
-"""The scheduler's --min-gain and --hold-features flags: parsed into SchedulerConfig, and
-min_gain refused below 1."""
+"""SchedulerConfig from flags: the engine's flags default to EngineConfig's values and reach the
+EngineConfig the scheduler builds, min_gain is refused below 1, and API keys stay out of --help."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from dspark.serving.config import SchedulerConfig, add_arguments, from_args
+from dspark.serving.config import SchedulerConfig, add_arguments, engine_fields, from_args
 
 
 def parse(*argv: str) -> SchedulerConfig:
@@ -16,20 +16,33 @@ def parse(*argv: str) -> SchedulerConfig:
     return from_args(SchedulerConfig, parser.parse_args(list(argv)))
 
 
-def test_min_gain_is_a_flag_with_the_engine_default():
+def test_engine_flags_default_to_the_engine_config():
     from dspark.engine import EngineConfig
 
-    assert parse().min_gain == EngineConfig().min_gain == 1.05
-    assert parse("--min-gain", "1.0").min_gain == 1.0
+    names = {f.name for f in engine_fields(SchedulerConfig)}
+    assert names == {"policy", "max_running", "sparse_top_k", "prefill_chunk_tokens",
+                     "probe_requests", "hold_features", "min_gain", "update_cost_table"}
+    assert parse().engine_config() == SchedulerConfig().engine_config() == EngineConfig()
+    assert parse().policy == "async_topk" and parse().sparse_top_k == 0  # 0 = dense = None
+
+
+def test_engine_flags_reach_the_engine_config():
+    from dspark.admission import AdmissionPolicy
+
+    engine = parse("--policy", "fixed:3", "--max-running", "5", "--sparse-top-k", "8",
+                   "--prefill-chunk-tokens", "0", "--probe-requests", "2", "--hold-features",
+                   "false", "--min-gain", "1.0", "--update-cost-table", "no").engine_config(
+                       kv_cache_tokens=1024)
+    assert engine.policy == AdmissionPolicy.parse("fixed:3") and engine.max_running == 5
+    assert engine.sparse_top_k == 8 and engine.prefill_chunk_tokens == 0
+    assert engine.probe_requests == 2 and engine.hold_features is False
+    assert engine.min_gain == 1.0 and engine.update_cost_table is False
+    assert engine.kv_cache_tokens == 1024
+
+
+def test_min_gain_below_one_is_refused():
     with pytest.raises(ValueError, match="min_gain must be >= 1, got 0.9"):
         parse("--min-gain", "0.9")
-
-
-def test_hold_features_is_a_flag_with_the_engine_default():
-    from dspark.engine import EngineConfig
-
-    assert parse().hold_features is EngineConfig().hold_features is True
-    assert parse("--hold-features", "false").hold_features is False
 
 
 def test_api_keys_from_env_and_file_stay_out_of_help_and_repr(tmp_path, monkeypatch):

@@ -9,9 +9,11 @@ the time to copy the same K/V bytes (a contiguous `clone` of that much cache: th
 of this core, measured in the same run). *kernel GB/s* is the K/V bytes the call reads over its
 time; when it nears the copy rate, a faster kernel cannot help much and only fewer bytes (bf16 KV,
 more threads, fewer layers) can. Prints a table with the CPU model and flags and ends with one
-JSON line. Usage:
+JSON line. `--against REV` also compiles the kernel source of git revision REV and times it on
+the same inputs in the same run, interleaved (columns REV ms and speed-up). Usage:
     .venv/bin/python bench/paged_attention_kernel.py [--streams 16,128] [--context 128]
         [--new-tokens 1,8] [--dtypes float32,bfloat16] [--threads 1] [--repeats 20]
+        [--against REV]
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from target_decode import cpu_description  # noqa: E402
 
-from dspark.models.paged_attention import cpu_kernel_available, paged_attention  # noqa: E402
+from dspark.models.paged_attention import (build_cpu_kernel, cpu_kernel_available,  # noqa: E402
+                                           paged_attention)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+KERNEL_SOURCE = "dspark/models/csrc/paged_attention.cpp"
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -43,7 +51,19 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, repeats: int) -> dict:
+def kernel_at(revision: str):
+    """The kernel of a git revision, compiled here (module name by its blob, so builds cache)."""
+    source = subprocess.run(["git", "show", f"{revision}:{KERNEL_SOURCE}"], cwd=REPO_ROOT,
+                            check=True, capture_output=True, text=True).stdout
+    blob = subprocess.run(["git", "rev-parse", f"{revision}:{KERNEL_SOURCE}"], cwd=REPO_ROOT,
+                          check=True, capture_output=True, text=True).stdout.strip()
+    path = Path(tempfile.mkdtemp()) / "paged_attention.cpp"
+    path.write_text(source)
+    return build_cpu_kernel(path, f"paged_attention_{blob[:12]}")
+
+
+def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, repeats: int,
+              baseline=None) -> dict:
     gen = torch.Generator().manual_seed(0)
     blocks_each = -(-context // BLOCK_SIZE)
     num_blocks = streams * blocks_each + 1
@@ -54,8 +74,15 @@ def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, r
     query_start = torch.arange(streams + 1) * new_tokens  # [R + 1]
     context_lens = torch.full((streams,), context)  # [R]
     q = torch.randn(streams * new_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    kernel = median_seconds(lambda: paged_attention(q, k_cache, v_cache, block_tables, query_start,
-                                                    context_lens, HEAD_DIM ** -0.5), repeats)
+    args = (q, k_cache, v_cache, block_tables, query_start, context_lens, HEAD_DIM ** -0.5)
+    kernel = median_seconds(lambda: paged_attention(*args), repeats)
+    old = None
+    if baseline is not None:  # interleaved with a second timing of ours: load drifts hit both
+        old = median_seconds(lambda: baseline.paged_attention(*args, 0), repeats)
+        kernel = min(kernel, median_seconds(lambda: paged_attention(*args), repeats))
+        torch.testing.assert_close(paged_attention(*args).float(),
+                                   baseline.paged_attention(*args, 0).float(),
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     kv_bytes = 2 * streams * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
     # The same bytes as one contiguous tensor, copied: what this core's memory moves per second.
     flat = torch.randn(kv_bytes // k_cache.element_size(), generator=gen).to(dtype)
@@ -63,7 +90,9 @@ def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, r
     return {"streams": streams, "context": context, "new_tokens": new_tokens,
             "dtype": str(dtype).removeprefix("torch."), "kernel_ms": round(1000 * kernel, 3),
             "kv_mb": round(kv_bytes / 2**20, 2), "kernel_gb_s": round(kv_bytes / kernel / 1e9, 2),
-            "copy_gb_s": round(kv_bytes / copy / 1e9, 2)}
+            "copy_gb_s": round(kv_bytes / copy / 1e9, 2),
+            **({} if old is None else {"baseline_ms": round(1000 * old, 3),
+                                       "speedup": round(old / kernel, 2)})}
 
 
 def main() -> int:
@@ -74,24 +103,30 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--against", default="",
+                        help="a git revision whose kernel to time beside this one (e.g. HEAD~1)")
     args = parser.parse_args()
     if not cpu_kernel_available():
         print("the paged attention CPU kernel does not build here (no C++ compiler)")
         return 1
     torch.set_num_threads(args.threads)
     cpu = cpu_description()
-    rows = [time_case(s, args.context, n, getattr(torch, d), args.repeats)
+    baseline = kernel_at(args.against) if args.against else None
+    rows = [time_case(s, args.context, n, getattr(torch, d), args.repeats, baseline)
             for d in args.dtypes.split(",") for s in map(int, args.streams.split(","))
             for n in map(int, args.new_tokens.split(","))]
     print(f"CPU: {cpu['cpu']}, flags {' '.join(cpu['flags'])}; {args.threads} thread(s); "
           f"context {args.context} tokens a stream\n")
-    print("| dtype | streams | new tokens | kernel ms (one layer) | K/V MB | kernel GB/s | copy GB/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    against = f" | {args.against} ms | speed-up" if baseline else ""
+    print(f"| dtype | streams | new tokens | kernel ms (one layer) | K/V MB | kernel GB/s | "
+          f"copy GB/s{against} |")
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if baseline else ""))
     for r in rows:
+        extra = f" | {r['baseline_ms']} | {r['speedup']}x" if baseline else ""
         print(f"| {r['dtype']} | {r['streams']} | {r['new_tokens']} | {r['kernel_ms']} | "
-              f"{r['kv_mb']} | {r['kernel_gb_s']} | {r['copy_gb_s']} |")
+              f"{r['kv_mb']} | {r['kernel_gb_s']} | {r['copy_gb_s']}{extra} |")
     print(json.dumps({"bench": "paged_attention_kernel", "cpu": cpu["cpu"], "flags": cpu["flags"],
-                      "threads": args.threads, "rows": rows}))
+                      "threads": args.threads, "against": args.against or None, "rows": rows}))
     return 0
 
 

@@ -106,7 +106,7 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
                                 "--steps", "2", "--profile-steps", "1", *one],
         "packed_weights.py": ["--model-dir", t, "--context", "8", "--repeats", "1", *one],
         "paged_attention_kernel.py": ["--streams", "2", "--context", "20", "--new-tokens", "1,3",
-                                      "--repeats", "1", *one],
+                                      "--repeats", "1", "--against", "HEAD", *one],
         "acceptance_oracle.py": ["--model-dir", t, "--checkpoint", str(p["drafter"]), "--eval-dir",
                                  str(p["eval"]), "--datasets", "gsm8k", "--limit", "2",
                                  "--max-tokens", "8", *one],

@@ -13,10 +13,9 @@ BLOCK_SIZE = 4
 
 
 def make_case(query_lens: list[int], context_lens: list[int], num_heads: int, num_kv_heads: int,
-              dtype: torch.dtype, seed: int = 0):
+              dtype: torch.dtype, seed: int = 0, head_dim: int = 8):
     """A cache whose blocks are handed out in a random order (contexts scattered), and queries."""
     g = torch.Generator().manual_seed(seed)
-    head_dim = 8
     tables_needed = [-(-c // BLOCK_SIZE) for c in context_lens]
     num_blocks = sum(tables_needed) + 3
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -38,6 +37,7 @@ CASES = [
     ([1, 1, 1], [7, 1, 13]),          # decode steps
     ([3, 9, 1, 5], [3, 20, 6, 5]),    # verification blocks and whole prompts
     ([8, 2], [8, 33]),
+    ([1, 4, 16], [40, 37, 70]),       # several 16-position tiles, partial last tiles
 ]
 
 
@@ -45,10 +45,12 @@ CASES = [
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
 @pytest.mark.parametrize("case", CASES)
-def test_cpu_kernel_equals_per_request_sdpa(case, heads, dtype, tol):
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])  # 32-128: the AVX-512 path where built
+def test_cpu_kernel_equals_per_request_sdpa(case, heads, dtype, tol, head_dim):
     query_lens, context_lens = case
-    q, k, v, tables, block_tables, query_start = make_case(query_lens, context_lens, *heads, dtype)
-    scale = 8 ** -0.5
+    q, k, v, tables, block_tables, query_start = make_case(query_lens, context_lens, *heads, dtype,
+                                                           head_dim=head_dim)
+    scale = head_dim ** -0.5
     expected = reference_attention(q, k, v, tables, query_lens, context_lens, scale).float()
     got = paged_attention(q, k, v, block_tables, query_start, torch.tensor(context_lens), scale)
     assert got.shape == q.shape and got.dtype == dtype

@@ -39,8 +39,8 @@ from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyK
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
 from dspark.logprobs import TokenLogprobs, check_num_top
-from dspark.models.kv_cache import KVCacheFull
 from dspark.models.draft_types import DraftRequest, Drafter
+from dspark.models.kv_cache import KVCacheFull
 from dspark.sampling import SamplingParams
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
 
@@ -354,11 +354,10 @@ class Engine:
     def _preempt_newest(self, full: KVCacheFull) -> list[StepOutput]:
         """The cache could not hold this step: the request that joined last gives its cache up
         and waits first in line (recomputed when it joins again), or, alone, ends with an error."""
-        holders = [*self.running, *self.prefilling]
-        victim = self.prefilling[-1] if self.prefilling else self.running[-1]
-        (self.prefilling if victim in self.prefilling else self.running).remove(victim)
+        alone = len(self.running) + len(self.prefilling) == 1
+        victim = (self.prefilling or self.running).pop()
         self._release(victim)
-        if len(holders) == 1:
+        if alone:
             victim.finished, victim.finish_reason = True, "error"
             self.drafting_gate.reset_if_idle(self._load())
             return [StepOutput(victim.request_id, [], True, "error",

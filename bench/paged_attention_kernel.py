@@ -10,15 +10,18 @@ of this core, measured in the same run). *kernel GB/s* is the K/V bytes the call
 time; when it nears the copy rate, a faster kernel cannot help much and only fewer bytes (bf16 KV,
 more threads, fewer layers) can. Prints a table with the CPU model and flags and ends with one
 JSON line. `--against REV` also compiles the kernel source of git revision REV and times it on
-the same inputs in the same run, interleaved (columns REV ms and speed-up). Usage:
+the same inputs in the same run, interleaved (columns REV ms and speed-up). `--isa-flags=...` builds
+both kernels with compiler flags after -march=native: `--isa-flags=-mno-avx512f` times what an AVX2-only CPU
+runs, on a CPU that also has AVX-512. Usage:
     .venv/bin/python bench/paged_attention_kernel.py [--streams 16,128] [--context 128]
         [--new-tokens 1,8] [--dtypes float32,bfloat16] [--threads 1] [--repeats 20]
-        [--against REV]
+        [--against REV] [--isa-flags=-mno-avx512f]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -51,19 +55,26 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def kernel_at(revision: str):
-    """The kernel of a git revision, compiled here (module name by its blob, so builds cache)."""
+def kernel_at(revision: str, isa_flags: tuple[str, ...] = ()):
+    """The kernel of a git revision ("" for the working tree), compiled here with `isa_flags`
+    (module name by its blob and flags, so builds cache)."""
+    if not revision:
+        path = REPO_ROOT / KERNEL_SOURCE
+        tag = hashlib.sha256(path.read_bytes() + " ".join(isa_flags).encode()).hexdigest()
+        return build_cpu_kernel(path, f"paged_attention_{tag[:12]}", isa_flags)
     source = subprocess.run(["git", "show", f"{revision}:{KERNEL_SOURCE}"], cwd=REPO_ROOT,
                             check=True, capture_output=True, text=True).stdout
     blob = subprocess.run(["git", "rev-parse", f"{revision}:{KERNEL_SOURCE}"], cwd=REPO_ROOT,
                           check=True, capture_output=True, text=True).stdout.strip()
     path = Path(tempfile.mkdtemp()) / "paged_attention.cpp"
     path.write_text(source)
-    return build_cpu_kernel(path, f"paged_attention_{blob[:12]}")
+    flags_tag = hashlib.sha256(" ".join(isa_flags).encode()).hexdigest()[:6] if isa_flags else ""
+    return build_cpu_kernel(path, f"paged_attention_{blob[:12]}{flags_tag}", isa_flags)
 
 
 def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, repeats: int,
-              baseline=None) -> dict:
+              ours, baseline=None) -> dict:
+    """ours, baseline: kernel modules (`.paged_attention(..., long_min_q_len)`)."""
     gen = torch.Generator().manual_seed(0)
     blocks_each = -(-context // BLOCK_SIZE)
     num_blocks = streams * blocks_each + 1
@@ -74,14 +85,14 @@ def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, r
     query_start = torch.arange(streams + 1) * new_tokens  # [R + 1]
     context_lens = torch.full((streams,), context)  # [R]
     q = torch.randn(streams * new_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    args = (q, k_cache, v_cache, block_tables, query_start, context_lens, HEAD_DIM ** -0.5)
-    kernel = median_seconds(lambda: paged_attention(*args), repeats)
+    args = (q, k_cache, v_cache, block_tables, query_start, context_lens, HEAD_DIM ** -0.5, 0)
+    kernel = median_seconds(lambda: ours.paged_attention(*args), repeats)
     old = None
     if baseline is not None:  # interleaved with a second timing of ours: load drifts hit both
-        old = median_seconds(lambda: baseline.paged_attention(*args, 0), repeats)
-        kernel = min(kernel, median_seconds(lambda: paged_attention(*args), repeats))
-        torch.testing.assert_close(paged_attention(*args).float(),
-                                   baseline.paged_attention(*args, 0).float(),
+        old = median_seconds(lambda: baseline.paged_attention(*args), repeats)
+        kernel = min(kernel, median_seconds(lambda: ours.paged_attention(*args), repeats))
+        torch.testing.assert_close(ours.paged_attention(*args).float(),
+                                   baseline.paged_attention(*args).float(),
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     kv_bytes = 2 * streams * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
     # The same bytes as one contiguous tensor, copied: what this core's memory moves per second.
@@ -105,18 +116,23 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--against", default="",
                         help="a git revision whose kernel to time beside this one (e.g. HEAD~1)")
+    parser.add_argument("--isa-flags", default="",
+                        help='compiler flags for both kernels after -march=native, e.g. --isa-flags=-mno-avx512f')
     args = parser.parse_args()
     if not cpu_kernel_available():
         print("the paged attention CPU kernel does not build here (no C++ compiler)")
         return 1
     torch.set_num_threads(args.threads)
     cpu = cpu_description()
-    baseline = kernel_at(args.against) if args.against else None
-    rows = [time_case(s, args.context, n, getattr(torch, d), args.repeats, baseline)
+    isa_flags = tuple(args.isa_flags.split())
+    ours = kernel_at("", isa_flags) if isa_flags else SimpleNamespace(paged_attention=paged_attention)
+    baseline = kernel_at(args.against, isa_flags) if args.against else None
+    rows = [time_case(s, args.context, n, getattr(torch, d), args.repeats, ours, baseline)
             for d in args.dtypes.split(",") for s in map(int, args.streams.split(","))
             for n in map(int, args.new_tokens.split(","))]
+    built = f"; kernels built with {args.isa_flags}" if isa_flags else ""
     print(f"CPU: {cpu['cpu']}, flags {' '.join(cpu['flags'])}; {args.threads} thread(s); "
-          f"context {args.context} tokens a stream\n")
+          f"context {args.context} tokens a stream{built}\n")
     against = f" | {args.against} ms | speed-up" if baseline else ""
     print(f"| dtype | streams | new tokens | kernel ms (one layer) | K/V MB | kernel GB/s | "
           f"copy GB/s{against} |")
@@ -126,7 +142,8 @@ def main() -> int:
         print(f"| {r['dtype']} | {r['streams']} | {r['new_tokens']} | {r['kernel_ms']} | "
               f"{r['kv_mb']} | {r['kernel_gb_s']} | {r['copy_gb_s']}{extra} |")
     print(json.dumps({"bench": "paged_attention_kernel", "cpu": cpu["cpu"], "flags": cpu["flags"],
-                      "threads": args.threads, "against": args.against or None, "rows": rows}))
+                      "threads": args.threads, "against": args.against or None,
+                      "isa_flags": args.isa_flags or None, "rows": rows}))
     return 0
 
 

@@ -7,8 +7,8 @@ query_start, context_lens, scale) -> out`, with the shapes of `csrc/paged_attent
   `torch.utils.cpp_extension` and cached (in `TORCH_EXTENSIONS_DIR`, default
   `~/.cache/torch_extensions`). One call per layer for the whole batch; each (request, KV head)
   pair reads its context's K/V once through the block table, with no gathered copy. On an
-  AVX-512 CPU, float32 and bf16 caches with head_dim 32, 64 or 128 take a path with queries,
-  scores and outputs in registers (2-9x the portable loops at decode,
+  AVX-512 or AVX2 CPU, float32 and bf16 caches with head_dim 32, 64 or 128 take a path with
+  queries, scores and outputs in registers (2-9x the portable loops at decode on AVX-512,
   `bench/paged_attention_kernel.py --against`). Where no C++
   compiler is found it is unavailable (`cpu_kernel_available()`) and the runner falls back to
   per-request SDPA.
@@ -46,14 +46,16 @@ bf16, one thread: the prefill took 11.7 s with the C++ kernel for every request,
 per request."""
 
 
-def build_cpu_kernel(source: Path, name: str):
+def build_cpu_kernel(source: Path, name: str, isa_flags: tuple[str, ...] = ()):
     """Compile a kernel source (this module's, or another version of it: a benchmark's
     baseline) into an extension module `name` with `.paged_attention`, for this CPU
-    (-march=native: the AVX-512 path where the CPU has it)."""
+    (-march=native: the AVX-512 path where the CPU has it, else the AVX2 one). `isa_flags` come
+    after it, to build a narrower path on a wider CPU (("-mno-avx512f",): the AVX2 path;
+    ("-mno-avx512f", "-mno-avx2"): the portable loops) for its tests and benchmarks."""
     from torch.utils.cpp_extension import load
 
     return load(name=name, sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
+                extra_cflags=["-O3", "-march=native", *isa_flags, "-fopenmp", "-fopenmp-simd"],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 

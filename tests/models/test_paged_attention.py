@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 
-from dspark.models.paged_attention import (cpu_kernel_available, long_query_attention,
+from dspark.models.paged_attention import (build_cpu_kernel, cpu_kernel_available, long_query_attention,
                                            padded_attention, paged_attention, reference_attention)
 from dspark.models.runner import long_queries
 
@@ -45,7 +48,7 @@ CASES = [
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])  # 32-128: the AVX-512 path where built
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])  # 32-128: the SIMD path where built
 def test_cpu_kernel_equals_per_request_sdpa(case, heads, dtype, tol, head_dim):
     query_lens, context_lens = case
     q, k, v, tables, block_tables, query_start = make_case(query_lens, context_lens, *heads, dtype,
@@ -55,6 +58,56 @@ def test_cpu_kernel_equals_per_request_sdpa(case, heads, dtype, tol, head_dim):
     got = paged_attention(q, k, v, block_tables, query_start, torch.tensor(context_lens), scale)
     assert got.shape == q.shape and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()[2:]}
+
+
+# The kernel's narrower paths, built with the ISA flags that turn the wider ones off, so that a
+# wide CPU tests all of them: (flags the path needs, flags the native build has beyond it).
+NARROWER_BUILDS = {
+    "avx2": ({"avx2", "fma"}, {"avx512f"}, ("-mno-avx512f",)),
+    "portable": (set(), {"avx2", "avx512f"}, ("-mno-avx512f", "-mno-avx2")),
+}
+
+
+@functools.cache
+def narrower_build(path: str):
+    """The kernel built for `path`, or a reason to skip: the CPU lacks what it needs, or the
+    native build already is that path (the tests above cover it)."""
+    needs, wider, flags = NARROWER_BUILDS[path]
+    have = cpu_flags()
+    if not needs <= have:
+        return f"this CPU lacks {sorted(needs - have)}"
+    if not wider & have:
+        return "the native build is this path"
+    source = Path(__file__).resolve().parents[2] / "dspark" / "models" / "csrc" / "paged_attention.cpp"
+    return build_cpu_kernel(source, f"dspark_paged_attention_{path}", flags)
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads", [(6, 2), (9, 3)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("path", sorted(NARROWER_BUILDS))
+def test_narrower_kernel_paths_equal_per_request_sdpa(path, head_dim, heads, dtype, tol):
+    """The AVX2 path and the portable loops, built on a CPU whose native build takes a wider
+    path, against the reference on every case (1 to 4 rows a register block, partial tiles)."""
+    ext = narrower_build(path)
+    if isinstance(ext, str):
+        pytest.skip(ext)
+    for query_lens, context_lens in CASES:
+        q, k, v, tables, block_tables, query_start = make_case(query_lens, context_lens, *heads, dtype,
+                                                               head_dim=head_dim)
+        scale = head_dim ** -0.5
+        expected = reference_attention(q, k, v, tables, query_lens, context_lens, scale).float()
+        got = ext.paged_attention(q, k, v, block_tables, query_start, torch.tensor(context_lens), scale, 0)
+        torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")

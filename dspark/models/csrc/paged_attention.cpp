@@ -28,7 +28,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -93,109 +93,145 @@ constexpr int64_t kTileRows = 8;
 // Positions per key tile: one AVX-512 register of float32 (two AVX2 ones).
 constexpr int64_t kTile = 16;
 
+// A SIMD path for float32 and bf16 caches with head_dim 32, 64 or 128, on CPUs with AVX-512
+// (16 float32 lanes) or else AVX2 + FMA (8 lanes): the query rows of a (request, KV head) are
+// taken a few at a time with their queries and outputs in registers. Scores: for W positions at a
+// time (W = lanes), each row's W dot products are accumulated as W vectors and summed across
+// lanes together (`reduce`: a few operations a position instead of a horizontal sum each);
+// values: the weighted sum accumulates in registers over all positions, not in memory. Same
+// arithmetic as the portable code (float32), another summation order. `Isa` below is the widest
+// of the two the compiler targets (-march=native); without either, only the portable loops exist.
 #if defined(__AVX512F__)
-// An AVX-512 path for float32 and bf16 caches with head_dim a multiple of 16 (at most 128): the
-// query rows of a (request, KV head) are taken a few at a time with their queries and outputs in
-// registers. Scores: for 16 positions at a time, each row's 16 dot products are accumulated as
-// 16 vectors and summed across lanes together (reduce16: about 3 operations a position instead
-// of a horizontal sum each); values: the weighted sum accumulates in registers over all positions,
-// not in memory. Same arithmetic as the portable code (float32), another summation order.
-template <typename scalar_t>
-inline __m512 load16(const scalar_t* p);
-
-template <>
-inline __m512 load16<float>(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 -> the upper half of f32
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// out lane t = the sum of v[t]'s 16 lanes.
-inline __m512 reduce16(const __m512* v) {
-  __m512 w[4];
-  for (int g = 0; g < 4; ++g) {  // w[g], 128-bit chunk c, lane i: v[4g + i] summed over chunk c
-    const __m512* a = v + 4 * g;
-    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-    w[g] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+#define DSPARK_SIMD 1
+struct Isa {
+  using vec = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 32;
+  static vec zero() { return _mm512_setzero_ps(); }
+  static vec set1(float x) { return _mm512_set1_ps(x); }
+  static vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static vec load(const c10::BFloat16* p) {  // bf16 -> the upper half of f32
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
-  // chunk g of the result: w[g] summed over its 4 chunks
-  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+  static void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+  // out lane t = the sum of v[t]'s 16 lanes.
+  static vec reduce(const vec* v) {
+    __m512 w[4];
+    for (int g = 0; g < 4; ++g) {  // w[g], 128-bit chunk c, lane i: v[4g + i] summed over chunk c
+      const __m512* a = v + 4 * g;
+      const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+      const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+      w[g] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    // chunk g of the result: w[g] summed over its 4 chunks
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DSPARK_SIMD 1
+struct Isa {
+  using vec = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kRegisters = 16;
+  static vec zero() { return _mm256_setzero_ps(); }
+  static vec set1(float x) { return _mm256_set1_ps(x); }
+  static vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static vec load(const c10::BFloat16* p) {  // bf16 -> the upper half of f32
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  static void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+  // out lane t = the sum of v[t]'s 8 lanes.
+  static vec reduce(const vec* v) {
+    // hadd pairs lanes within each 128-bit half: after two rounds, half c of s0123 holds
+    // v[0..3] each summed over its half c (s4567: v[4..7]); adding the halves finishes the sums.
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  }
+};
+#endif
 
-// scores[j, 0 .. ctx_len rounded up to 16) = queries[j] . key(pos) for NR rows (positions past
-// ctx_len: 0). DV = head_dim / 16.
+#if defined(DSPARK_SIMD)
+using vec = Isa::vec;
+constexpr int W = Isa::kLanes;
+static_assert(kTile % W == 0, "a row of scores is padded to whole vectors");
+
+// scores[j, 0 .. ctx_len rounded up to W) = queries[j] . key(pos) for NR rows (positions past
+// ctx_len: 0). DV = head_dim / W.
 template <typename scalar_t, int DV, int NR, typename SlotFn>
-inline void scores_avx512(const float* queries, const scalar_t* k_ptr, SlotFn slot, int64_t ctx_len,
-                          int64_t head_dim, int64_t stride, float* scores) {
-  __m512 q[NR][DV];
+inline void scores_simd(const float* queries, const scalar_t* k_ptr, SlotFn slot, int64_t ctx_len,
+                        int64_t head_dim, int64_t stride, float* scores) {
+  vec q[NR][DV];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < DV; ++c) q[r][c] = _mm512_loadu_ps(queries + r * head_dim + 16 * c);
-  for (int64_t tile = 0; tile < ctx_len; tile += 16) {
-    const int64_t width = std::min<int64_t>(16, ctx_len - tile);
+    for (int c = 0; c < DV; ++c) q[r][c] = Isa::load(queries + r * head_dim + W * c);
+  for (int64_t tile = 0; tile < ctx_len; tile += W) {
+    const int64_t width = std::min<int64_t>(W, ctx_len - tile);
     for (int r = 0; r < NR; ++r) {
-      __m512 acc[16];
-      for (int64_t t = 0; t < 16; ++t) {
-        acc[t] = _mm512_setzero_ps();
+      vec acc[W];
+      for (int64_t t = 0; t < W; ++t) {
+        acc[t] = Isa::zero();
         if (t >= width) continue;
         const scalar_t* key = k_ptr + slot(tile + t);
-        for (int c = 0; c < DV; ++c) acc[t] = _mm512_fmadd_ps(q[r][c], load16(key + 16 * c), acc[t]);
+        for (int c = 0; c < DV; ++c) acc[t] = Isa::fmadd(q[r][c], Isa::load(key + W * c), acc[t]);
       }
-      _mm512_storeu_ps(scores + r * stride + tile, reduce16(acc));
+      Isa::store(scores + r * stride + tile, Isa::reduce(acc));
     }
   }
 }
 
 // out rows = weights @ values for NR rows (weights 0 where a row does not see a position).
 template <typename scalar_t, int DV, int NR, typename SlotFn>
-inline void values_avx512(const float* weights, const scalar_t* v_ptr, SlotFn slot, int64_t ctx_len,
-                          int64_t stride, float* out, int64_t head_dim) {
-  __m512 acc[NR][DV];
+inline void values_simd(const float* weights, const scalar_t* v_ptr, SlotFn slot, int64_t ctx_len,
+                        int64_t stride, float* out, int64_t head_dim) {
+  vec acc[NR][DV];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < DV; ++c) acc[r][c] = Isa::zero();
   for (int64_t pos = 0; pos < ctx_len; ++pos) {
     const scalar_t* value = v_ptr + slot(pos);
-    __m512 v[DV];
-    for (int c = 0; c < DV; ++c) v[c] = load16(value + 16 * c);
+    vec v[DV];
+    for (int c = 0; c < DV; ++c) v[c] = Isa::load(value + W * c);
     for (int r = 0; r < NR; ++r) {
-      const __m512 w = _mm512_set1_ps(weights[r * stride + pos]);
-      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+      const vec w = Isa::set1(weights[r * stride + pos]);
+      for (int c = 0; c < DV; ++c) acc[r][c] = Isa::fmadd(w, v[c], acc[r][c]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + r * head_dim + 16 * c, acc[r][c]);
+    for (int c = 0; c < DV; ++c) Isa::store(out + r * head_dim + W * c, acc[r][c]);
 }
 
-// Rows a register block holds: queries (scores) or accumulators (values), DV vectors each.
+// Rows a register block holds: queries (scores) or accumulators (values), DV vectors each, in the
+// registers left beside the W score accumulators (1 to 4: AVX-512 takes 4, 4, 2 rows at head_dim
+// 32, 64, 128; AVX2 2, 1, 1).
 template <int DV>
-constexpr int kRowsPerBlock = DV <= 4 ? 4 : 2;
+constexpr int kRowsPerBlock = std::max(1, std::min(4, (Isa::kRegisters - W) / DV));
 
 template <typename scalar_t, int DV, typename SlotFn>
-void rows_avx512(const float* queries, const scalar_t* k_ptr, const scalar_t* v_ptr, SlotFn slot,
-                 int64_t num_rows, int64_t ctx_len, int64_t head_dim, int64_t stride, float* scores,
-                 float* accum, bool values) {
+void rows_simd(const float* queries, const scalar_t* k_ptr, const scalar_t* v_ptr, SlotFn slot,
+               int64_t num_rows, int64_t ctx_len, int64_t head_dim, int64_t stride, float* scores,
+               float* accum, bool values) {
   constexpr int NR = kRowsPerBlock<DV>;
   for (int64_t j = 0; j < num_rows; j += NR) {
     const int64_t n = std::min<int64_t>(NR, num_rows - j);
     const float* qj = queries + j * head_dim;
     float* sj = scores + j * stride;
     float* aj = accum + j * head_dim;
-#define DSPARK_ROWS(N)                                                                       \
-  if (values) values_avx512<scalar_t, DV, N>(sj, v_ptr, slot, ctx_len, stride, aj, head_dim); \
-  else scores_avx512<scalar_t, DV, N>(qj, k_ptr, slot, ctx_len, head_dim, stride, sj);
+#define DSPARK_ROWS(N)                                                                     \
+  if (values) values_simd<scalar_t, DV, N>(sj, v_ptr, slot, ctx_len, stride, aj, head_dim); \
+  else scores_simd<scalar_t, DV, N>(qj, k_ptr, slot, ctx_len, head_dim, stride, sj);
     switch (n) {
       case 1: DSPARK_ROWS(1) break;
-      case 2: DSPARK_ROWS(2) break;
+      case 2: if constexpr (NR >= 2) { DSPARK_ROWS(2) } break;
       case 3: if constexpr (NR >= 3) { DSPARK_ROWS(3) } break;
       default: if constexpr (NR >= 4) { DSPARK_ROWS(4) } break;
     }
@@ -204,8 +240,8 @@ void rows_avx512(const float* queries, const scalar_t* k_ptr, const scalar_t* v_
 }
 
 template <typename scalar_t>
-constexpr bool kHasAvx512Path = std::is_same<scalar_t, float>::value ||
-                                std::is_same<scalar_t, c10::BFloat16>::value;
+constexpr bool kHasSimdPath = std::is_same<scalar_t, float>::value ||
+                              std::is_same<scalar_t, c10::BFloat16>::value;
 #endif
 
 template <typename scalar_t>
@@ -234,9 +270,8 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
   const int64_t kv_slot_stride = num_kv_heads * head_dim;
   const int64_t kv_block_stride = block_size * kv_slot_stride;
   const float fscale = static_cast<float>(scale);
-#if defined(__AVX512F__)
-  const int64_t vectors = head_dim % 16 == 0 ? head_dim / 16 : 0;  // per row, on the AVX-512 path
-  const bool avx512 = kHasAvx512Path<scalar_t> && (vectors == 2 || vectors == 4 || vectors == 8);
+#if defined(DSPARK_SIMD)
+  const bool simd = kHasSimdPath<scalar_t> && (head_dim == 32 || head_dim == 64 || head_dim == 128);
 #endif
 
   at::parallel_for(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -268,24 +303,25 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
       // scores [num_rows, stride]; row j sees positions 0 .. first_pos + j / group
       scores.resize(num_rows * stride);
       accum.assign(num_rows * head_dim, 0.f);
-#if defined(__AVX512F__)
-      // vectors: 2, 4 or 8 (head_dim 32, 64, 128); scores (values = false) or values (true)
-      auto avx512_rows = [&](bool values) {
-        if constexpr (kHasAvx512Path<scalar_t>) {
+#if defined(DSPARK_SIMD)
+      // head_dim 32, 64 or 128 (DV = head_dim / W vectors a row); scores (values = false) or
+      // values (true)
+      auto simd_rows = [&](bool values) {
+        if constexpr (kHasSimdPath<scalar_t>) {
           const float* qs = queries.data();
-          if (vectors == 2)
-            rows_avx512<scalar_t, 2>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
-                                     scores.data(), accum.data(), values);
-          else if (vectors == 4)
-            rows_avx512<scalar_t, 4>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
-                                     scores.data(), accum.data(), values);
+          if (head_dim == 32)
+            rows_simd<scalar_t, 32 / W>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
+                                        scores.data(), accum.data(), values);
+          else if (head_dim == 64)
+            rows_simd<scalar_t, 64 / W>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
+                                        scores.data(), accum.data(), values);
           else
-            rows_avx512<scalar_t, 8>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
-                                     scores.data(), accum.data(), values);
+            rows_simd<scalar_t, 128 / W>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
+                                         scores.data(), accum.data(), values);
         }
       };
-      if (avx512) {
-        avx512_rows(false);
+      if (simd) {
+        simd_rows(false);
       } else
 #endif
       if (num_rows < kTileRows) {
@@ -345,9 +381,9 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
         for (int64_t p = visible; p < ctx_len; ++p) s[p] = 0.f;  // positions the row does not see
       }
       // accum [num_rows, head_dim] = weights @ values
-#if defined(__AVX512F__)
-      if (avx512) {
-        avx512_rows(true);
+#if defined(DSPARK_SIMD)
+      if (simd) {
+        simd_rows(true);
       } else
 #endif
       for (int64_t pos = 0; pos < ctx_len; ++pos) {

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The target answers training prompts for the drafter, in the background and resumably: about
-# 10,000 prompts greedy, then about 13,000 at T=1 (top-k and top-p off), 128 answers in flight,
+# 12,500 prompts greedy, then about 13,000 at T=1 (top-k and top-p off), 128 answers in flight,
 # one thread at a low CPU priority (nice 10, as the drafter campaign) so the machine stays usable. DTYPE (default bfloat16)
 # sets the target's dtype: bf16 doubles the rate on a CPU with AMX-BF16 (bench/data_generate.py);
-# every record says which dtype wrote it (the greedy file's answers are all float32). Every answer is
+# every record says which dtype wrote it (the greedy file's first 7,124 answers are float32). Every answer is
 # appended as it finishes, so a stopped run loses at most the answers in flight; run this again to
 # go on. The prompts of every earlier answer file are excluded, so the files never overlap.
 #   nohup bash scripts/answers_campaign.sh > runs/answers_campaign.log 2>&1 &
@@ -15,7 +15,7 @@ export OMP_NUM_THREADS=1
 EXCLUDE=(--exclude data/smollm2_answers.jsonl.gz --exclude data/smollm2_answers_t1.jsonl.gz
          --exclude ../shared/data/answers/smollm2_greedy_fp32.jsonl.gz)
 COMMON=(--max-new-tokens 256 --batch-size 128 --dtype "${DTYPE:-bfloat16}" --threads 1)
-.venv/bin/dspark data generate --out data/answers/greedy.jsonl.gz --num-prompts 10000 "${COMMON[@]}" --temperature 0 \
+.venv/bin/dspark data generate --out data/answers/greedy.jsonl.gz --num-prompts 12500 "${COMMON[@]}" --temperature 0 \
   --seed 11 "${EXCLUDE[@]}" --exclude data/answers/t1.jsonl.gz
 .venv/bin/dspark data generate --out data/answers/t1.jsonl.gz --num-prompts 13000 "${COMMON[@]}" --temperature 1 \
   --top-p 1 --top-k 0 --seed 12 "${EXCLUDE[@]}" --exclude data/answers/greedy.jsonl.gz

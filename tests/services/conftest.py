@@ -8,7 +8,9 @@ Processes cost seconds to start on a shared 2-core machine, so one verifier serv
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import uuid
 from dataclasses import dataclass
 
@@ -97,6 +99,30 @@ class Launcher:
 
     def scheduler(self, verifier: str, drafter: str, name: str = "scheduler", **kwargs):
         return start_scheduler(self.models, verifier, drafter, name, **kwargs)
+
+    @contextlib.contextmanager
+    def restartable_verifier(self, name: str):
+        """A verifier process and a RemoteVerifier to it, as (remote, crash_and_restart):
+        crash_and_restart() kills the process with no clean shutdown (SIGSTOP, then SIGKILL) and
+        starts a fresh one on the same port, which the remote must restore its requests into."""
+        from dspark.serving.remote_verifier import RemoteVerifier
+
+        proc, address = self.verifier(name)
+        port = int(address.rsplit(":", 1)[1])
+        procs = [proc]
+        remote = RemoteVerifier(address, wait_seconds=60)
+
+        def crash_and_restart() -> None:
+            procs[-1].proc.send_signal(signal.SIGSTOP)
+            procs[-1].stop(signal.SIGKILL)
+            procs.append(self.verifier(f"{name}_restarted", port=port)[0])
+
+        try:
+            wait_grpc(proc, address)
+            yield remote, crash_and_restart
+        finally:
+            remote.close()
+            procs[-1].stop()
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,11 @@ is restored from the chunks read so far (RemoteVerifier keeps them), with the sa
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 import torch
 
 from dspark.loading import load_target
 from dspark.sampling import SamplingParams
-from dspark.serving.local_stack import wait_grpc
 from dspark.serving.remote_verifier import RemoteVerifier, VerifierRejected
 from dspark.serving.tiny_models import LAYER_IDS
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyRequest
@@ -60,21 +57,12 @@ def test_chunks_over_grpc_equal_one_local_prefill(shared_verifier, local):
 def test_verifier_restarted_between_chunks_is_restored(launcher, local):
     whole = local.prefill(["whole2"], [PROMPT], [GREEDY], [None])
     local.release("whole2")
-    verifier, address = launcher.verifier("verifier_chunk_restart")
-    port = int(address.rsplit(":", 1)[1])
-    remote = RemoteVerifier(address, wait_seconds=60)
     pieces = [PROMPT[:4], PROMPT[4:]]
-    try:
-        wait_grpc(verifier, address)
+    with launcher.restartable_verifier("verifier_chunk_restart") as (remote, crash_and_restart):
         assert remote.verify([], chunks_of("r", pieces, 0)).prefill.first_tokens == [None]
-        verifier.proc.send_signal(signal.SIGSTOP)
-        verifier.stop(signal.SIGKILL)
-        verifier, _ = launcher.verifier("verifier_chunk_restarted", port=port)
+        crash_and_restart()
         out = remote.verify([], chunks_of("r", pieces, 1))  # NOT_FOUND -> restore 4 -> retry
         assert out.prefill.first_tokens == whole.first_tokens
-    finally:
-        remote.close()
-        verifier.stop()
 
 
 def test_a_recomputed_request_is_restored_with_its_anchor(launcher, local):
@@ -89,22 +77,13 @@ def test_a_recomputed_request_is_restored_with_its_anchor(launcher, local):
         greedy += step.output_tokens[0]
         features.append(step.features[0])
     local.release("ref")
-    verifier, address = launcher.verifier("verifier_recompute_restart")
-    port = int(address.rsplit(":", 1)[1])
-    remote = RemoteVerifier(address, wait_seconds=60)
-    try:
-        wait_grpc(verifier, address)
+    with launcher.restartable_verifier("verifier_recompute_restart") as (remote, crash_and_restart):
         # two outputs so far: the first is re-read, the second is the anchor
         recompute = PrefillChunk("rc", PROMPT + greedy[:1], False, GREEDY)
         assert remote.verify([], [recompute]).prefill.first_tokens == [None]
         for i in range(1, 6):
             if i == 3:  # restarted: the next call restores
-                verifier.proc.send_signal(signal.SIGSTOP)
-                verifier.stop(signal.SIGKILL)
-                verifier, _ = launcher.verifier("verifier_recompute_restarted", port=port)
+                crash_and_restart()
             step = remote.verify([VerifyRequest("rc", greedy[i], None, 0, GREEDY)])
             assert step.output_tokens == [greedy[i + 1:i + 2]], i
             torch.testing.assert_close(step.features[0], features[i], atol=1e-4, rtol=1e-4)
-    finally:
-        remote.close()
-        verifier.stop()

@@ -163,13 +163,18 @@ def test_client_disconnect_frees_caches(stack, shared_verifier):
     with frozen(shared_verifier):
         conn.sock.close()
         conn.close()
-    stub = rpc.verifier.VerifierStub(channel(shared_verifier.address))
-    deadline = time.monotonic() + 30
-    while request_id in stub.Info(pb.common.InfoRequest()).active_requests:
-        assert time.monotonic() < deadline, "the verifier still holds the abandoned request"
-        time.sleep(0.1)
+    wait_until_released(shared_verifier.address, request_id)
     record = fetch(stack.http_port, request_id, stack.api_key)
     assert record["finish_reason"] == "abort" and len(record["output_token_ids"]) < MAX_TOKENS
+
+
+def wait_until_released(verifier_address: str, request_id: str, seconds: float = 30) -> None:
+    """Until the verifier no longer holds the request (its KV cache given back)."""
+    verifier = rpc.verifier.VerifierStub(channel(verifier_address))
+    deadline = time.monotonic() + seconds
+    while request_id in verifier.Info(pb.common.InfoRequest()).active_requests:
+        assert time.monotonic() < deadline, f"the verifier still holds {request_id}"
+        time.sleep(0.1)
 
 
 def fetch(port: int, request_id: str, key: str = "none") -> dict:
@@ -241,11 +246,7 @@ def test_grpc_client_cancel_frees_caches(stack, shared_verifier):
     request_id = next(call).request_id
     with frozen(shared_verifier):
         call.cancel()
-    verifier = rpc.verifier.VerifierStub(channel(shared_verifier.address))
-    deadline = time.monotonic() + 30
-    while request_id in verifier.Info(pb.common.InfoRequest()).active_requests:
-        assert time.monotonic() < deadline, "the verifier still holds the cancelled request"
-        time.sleep(0.1)
+    wait_until_released(shared_verifier.address, request_id)
     record = fetch(stack.http_port, request_id, stack.api_key)
     assert record["finish_reason"] == "abort" and len(record["output_token_ids"]) < MAX_TOKENS
 

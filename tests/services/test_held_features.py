@@ -5,15 +5,12 @@ in-process verifier returns at once; a verifier restarted while holding them is 
 
 from __future__ import annotations
 
-import signal
-
 import grpc
 import pytest
 import torch
 
 from dspark.loading import load_target
 from dspark.sampling import SamplingParams
-from dspark.serving.local_stack import wait_grpc
 from dspark.serving.protos import pb, rpc
 from dspark.serving.remote_verifier import RemoteVerifier
 from dspark.serving.tiny_models import LAYER_IDS
@@ -69,19 +66,13 @@ def test_held_features_come_back_in_order_equal_to_returned_ones(shared_verifier
 def test_held_features_survive_a_verifier_restart(launcher, local):
     direct, tokens, _ = run_rounds(local, "direct2", hold=False, decode_rounds=2)
     local.release("direct2")
-    verifier, address = launcher.verifier("verifier_held_restart")
-    port = int(address.rsplit(":", 1)[1])
-    remote = RemoteVerifier(address, wait_seconds=60)
-    try:
-        wait_grpc(verifier, address)
+    with launcher.restartable_verifier("verifier_held_restart") as (remote, crash_and_restart):
         out = remote.verify([], [PrefillChunk("r", PROMPT, True, GREEDY)])  # features returned
         anchor = out.prefill.first_tokens[0]
         held = remote.verify([VerifyRequest("r", anchor, None, 0, GREEDY, hold_features=True)])
         assert held.features == [None]
         anchor = held.output_tokens[0][-1]
-        verifier.proc.send_signal(signal.SIGSTOP)
-        verifier.stop(signal.SIGKILL)
-        verifier, _ = launcher.verifier("verifier_held_restarted", port=port)
+        crash_and_restart()
         # NOT_FOUND -> restore (holding from the prompt's end) -> retry, held too
         step = remote.verify([VerifyRequest("r", anchor, None, 0, GREEDY, hold_features=True)])
         assert step.features == [None]
@@ -90,9 +81,6 @@ def test_held_features_survive_a_verifier_restart(launcher, local):
         assert piece.positions.tolist() == [n, n + 1]
         assert piece.token_ids.tolist() == tokens[n:]
         torch.testing.assert_close(piece.features, torch.cat(direct)[n:], atol=1e-4, rtol=1e-4)
-    finally:
-        remote.close()
-        verifier.stop()
 
 
 def test_held_from_outside_a_restore_is_refused(shared_verifier):

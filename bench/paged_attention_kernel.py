@@ -38,8 +38,7 @@ from target_decode import cpu_description  # noqa: E402
 
 from dspark.models.paged_attention import (build_cpu_kernel, cpu_kernel_available,  # noqa: E402
                                            paged_attention)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from dspark.paths import REPO_ROOT  # noqa: E402
 KERNEL_SOURCE = "dspark/models/csrc/paged_attention.cpp"
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from dspark.paths import REPO_ROOT
 
 
 @pytest.fixture(scope="session")

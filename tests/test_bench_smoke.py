@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from dspark.paths import REPO_ROOT
+
 BENCH = REPO_ROOT / "bench"
 
 EXEMPT = {

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from dspark.paths import REPO_ROOT
+
 
 # Written with character classes so that this file does not match itself.
 LABEL = re.compile(

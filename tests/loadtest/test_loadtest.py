@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from dspark.paths import REPO_ROOT
 from loadtest.stack import start_stack, tiny_models
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 24
 IMPOSSIBLE_SLA = 1e6  # tokens/s per user
 

@@ -8,11 +8,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from dspark.paths import REPO_ROOT
+
 SCRIPT = REPO_ROOT / "bench" / "loadtest_paired.py"
 
 

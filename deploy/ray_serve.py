@@ -10,19 +10,27 @@ Glossary:
   (`cell<i>-verifier`, `cell<i>-drafter`, `cell<i>-scheduler`) that runs the *real* service in
   its own process: the gRPC verifier / drafter servers (`services.<name>.main.start`) and the
   scheduler's engine loop, REST and gRPC servers (`services.scheduler.main.start`).
-- **ingress**: the HTTP deployment clients talk to (Ray Serve's proxy, `--http-host`/
-  `--http-port`). It forwards each OpenAI-style request to the least-loaded cell's scheduler
-  through a DeploymentHandle (ties: round-robin) and returns its response; streamed (SSE)
-  responses are streamed through. The cell's replica runs the request through the scheduler's
-  own FastAPI app (services.scheduler.rest_api) in its event loop, as an ASGI call: no HTTP hop
-  to the scheduler's REST server. `GET /cells` lists the cells and their addresses.
+- **ingress**: the deployment that takes the HTTP requests of Ray Serve's proxy (`--http-host`/
+  `--http-port`). Every scheduler replica holds the scheduler's own FastAPI app
+  (services.scheduler.rest_api) plus `GET /cells`, to run in its event loop. With one cell the
+  ingress is that replica, as a `serve.ingress` deployment (`SchedulerIngress`): the proxy hands
+  each request straight to the scheduler's app (its /docs and /openapi.json included).
+- **router**: the ingress of several cells (deployment `ingress`, a `serve.ingress` FastAPI app).
+  It sends each request to the least-loaded cell's scheduler through a DeploymentHandle (ties:
+  round-robin; `/v1/requests/{id}` to the cell that holds it), whose replica runs it through its
+  app as an ASGI call (`call_asgi`: no HTTP hop to the scheduler's REST server), and returns the
+  response with the header `x-dspark-cell`; streamed (SSE) responses are streamed through.
+  Ray Serve allows one `serve.ingress` deployment per application, so the schedulers behind the
+  router are plain deployments (`SchedulerReplica`).
+  `GET /cells` lists the cells and their addresses (with one cell: that cell).
 
 Resources: every replica reserves `--service-cpus` logical CPUs; the verifier and drafter reserve
 `--verifier-gpus` / `--drafter-gpus` GPUs (default: 0.5 each when the cluster has GPUs, so one
 cell shares one GPU; 0 on a CPU-only cluster) and then run on `cuda`. A cell is pinned to one node
 through Ray's per-node resource `node:<ip>`; cells are spread round-robin over the nodes that have
 GPUs (every alive node when no GPU is asked for). Nothing of a cell listens beyond loopback: the
-ingress reaches a cell through Ray, the scheduler its verifier and drafter over 127.0.0.1.
+proxy and the router reach a cell through Ray, the scheduler its verifier and drafter over
+127.0.0.1.
 
 Internal token: each deployment of the application generates one (Python's `secrets`) and hands it
 to every cell's verifier, drafter and scheduler in their configs (through Ray, not the command
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -60,6 +69,8 @@ ENV_PREFIX = "DSPARK_RAY"
 APP_NAME = "dspark"
 # The headers a client's request keeps on its way to a cell's scheduler (auth, body type).
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+# The methods the router forwards (a Starlette route takes only GET unless told).
+ROUTED_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 def _field(default, help: str):
@@ -254,8 +265,9 @@ async def call_asgi(app, method: str, path: str, headers: dict, body: bytes):
 @serve.deployment
 class SchedulerReplica:
     """A cell's scheduler: the real engine loop over its verifier and drafter, with its REST and
-    gRPC servers on loopback. `forward` runs an ingress request through the scheduler's own
-    FastAPI app inside this replica (no HTTP hop to its REST server)."""
+    gRPC servers on loopback. `rest_app` is the scheduler's own FastAPI app, run in this
+    replica's event loop: `forward` / `forward_stream` run the router's requests through it (no
+    HTTP hop to its REST server), and as `SchedulerIngress` Ray's proxy serves it directly."""
 
     async def __init__(self, cell: int, verifier, drafter, config: SchedulerConfig) -> None:
         import torch
@@ -269,8 +281,15 @@ class SchedulerReplica:
         config = dataclasses.replace(config, verifier=self.verifier_address,
                                      drafter=drafter_address)
         self.scheduler = await asyncio.to_thread(start, config)
-        self.app = self.scheduler.make_app()  # served in this replica's event loop
         self.base_url = f"http://{config.host}:{self.scheduler.http_port}"
+        self.rest_app = self.scheduler.make_app()
+        # A one-cell application's ingress is this replica: it answers /cells as the router does.
+        self.rest_app.add_api_route("/cells", self.list_cells, methods=["GET"], tags=["ray-serve"])
+
+    def __serve_build_asgi_app__(self):
+        """The app Ray's proxy serves when this replica is the ingress (`SchedulerIngress`); Ray
+        Serve calls it after `__init__`."""
+        return self.rest_app
 
     def info(self) -> dict:
         return {"cell": self.cell, "verifier": self.verifier_address,
@@ -279,16 +298,20 @@ class SchedulerReplica:
                 "grpc": f"{self.scheduler.config.host}:{self.scheduler.grpc_port}",
                 "running": self.scheduler.loop.num_running()}
 
+    async def list_cells(self) -> dict:
+        """`GET /cells`: this cell alone."""
+        return {"cells": [self.info()]}
+
     async def forward(self, method: str, path: str, headers: dict, body: bytes
                       ) -> tuple[int, str, bytes]:
         """(status, content type, body) of the request against this cell's REST API."""
-        reply = call_asgi(self.app, method, path, headers, body)
+        reply = call_asgi(self.rest_app, method, path, headers, body)
         status, content_type = await anext(reply)
         return status, content_type, b"".join([chunk async for chunk in reply])
 
     async def forward_stream(self, method: str, path: str, headers: dict, body: bytes):
         """Yields (status, content type) first, then the body's bytes as they come (SSE)."""
-        reply = call_asgi(self.app, method, path, headers, body)
+        reply = call_asgi(self.rest_app, method, path, headers, body)
         try:
             async for item in reply:
                 yield item
@@ -302,14 +325,47 @@ class SchedulerReplica:
             scheduler.stop()  # drains in-flight requests, closes REST, gRPC and the proxies
 
 
+# The scheduler replica of a one-cell application, which is its ingress. Behind the router the
+# schedulers stay plain deployments: Ray Serve refuses more than one in an application.
+SchedulerIngress = serve.deployment(serve.ingress()(SchedulerReplica.func_or_class))
+
+
+def wants_stream(method: str, body: bytes) -> bool:
+    """Whether a request asks for server-sent events: a POST with `"stream": true` in its JSON."""
+    if method != "POST" or not body:
+        return False
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return False  # the scheduler answers invalid JSON with its own 400
+    return isinstance(parsed, dict) and parsed.get("stream") is True
+
+
 @serve.deployment
+@serve.ingress()
 class Ingress:
-    """HTTP entry: each request goes to the cell with the fewest requests in flight here."""
+    """The router of several cells: each request goes to the cell with the fewest requests in
+    flight here."""
 
     def __init__(self, *cells) -> None:
         self.cells = list(cells)
         self.in_flight = [0] * len(cells)
         self.next_cell = 0  # round-robin among equally loaded cells
+
+    def __serve_build_asgi_app__(self):
+        """`GET /cells`, and every other request forwarded to a cell. The router has no docs of
+        its own (FastAPI's are off), so /docs and /openapi.json are forwarded too: the
+        scheduler's."""
+        from fastapi import FastAPI
+
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/cells", self.list_cells, methods=["GET"])
+        app.add_route("/{path:path}", self.route, methods=list(ROUTED_METHODS))
+        return app
+
+    async def list_cells(self) -> dict:
+        """`GET /cells`: every cell's addresses and requests running."""
+        return {"cells": [await c.info.remote() for c in self.cells]}
 
     def _pick(self) -> int:
         n = len(self.cells)
@@ -329,39 +385,41 @@ class Ingress:
                 return cell
         return 0
 
-    async def __call__(self, request):
-        import json
-
-        from starlette.responses import JSONResponse, Response, StreamingResponse
-
+    async def route(self, request):
+        """A request for a cell (a Starlette request): sent to the least-loaded one, or to its
+        owner for `/v1/requests/...`; its response comes back unchanged plus `x-dspark-cell`."""
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        if request.method == "GET" and request.url.path == "/cells":
-            return JSONResponse({"cells": [await c.info.remote() for c in self.cells]})
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        streaming = False
-        if request.method == "POST" and body:
-            try:
-                parsed = json.loads(body)
-                streaming = isinstance(parsed, dict) and parsed.get("stream") is True
-            except ValueError:
-                pass  # the scheduler answers invalid JSON with its own 400
         if request.url.path.startswith("/v1/requests/"):
             cell = await self._owner(request.url.path, headers)
         else:
             cell = self._pick()
-        routed = {"x-dspark-cell": str(cell)}
+        call = (request.method, path, headers, body)
+        if wants_stream(request.method, body):
+            return await self._stream(cell, *call)
+        return await self._reply(cell, *call)
+
+    async def _reply(self, cell: int, method: str, path: str, headers: dict, body: bytes):
+        """The cell's whole response, counted in flight until it came."""
+        from starlette.responses import Response
+
         self.in_flight[cell] += 1
-        if not streaming:
-            try:
-                status, content_type, data = await self.cells[cell].forward.remote(
-                    request.method, path, headers, body)
-            finally:
-                self.in_flight[cell] -= 1
-            return Response(data, status_code=status, media_type=content_type or None,
-                            headers=routed)
+        try:
+            status, content_type, data = await self.cells[cell].forward.remote(
+                method, path, headers, body)
+        finally:
+            self.in_flight[cell] -= 1
+        return Response(data, status_code=status, media_type=content_type or None,
+                        headers={"x-dspark-cell": str(cell)})
+
+    async def _stream(self, cell: int, method: str, path: str, headers: dict, body: bytes):
+        """The cell's response streamed through as it comes, counted in flight until it ends."""
+        from starlette.responses import StreamingResponse
+
+        self.in_flight[cell] += 1
         chunks = self.cells[cell].options(stream=True).forward_stream.remote(
-            request.method, path, headers, body)
+            method, path, headers, body)
         try:
             status, content_type = await chunks.__anext__()
         except BaseException:
@@ -376,7 +434,7 @@ class Ingress:
                 self.in_flight[cell] -= 1
 
         return StreamingResponse(relay(), status_code=status, media_type=content_type or None,
-                                 headers=routed)
+                                 headers={"x-dspark-cell": str(cell)})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -401,8 +459,9 @@ def new_internal_token() -> str:
 
 
 def build_app(config: RayServeConfig):
-    """The application graph: `cells` x (verifier, drafter, scheduler) and the ingress over them.
-    Needs a connected Ray (to see its nodes and GPUs)."""
+    """The application graph: `cells` x (verifier, drafter, scheduler); its ingress is the
+    cell's scheduler with one cell, the router over them with several. Needs a connected Ray (to
+    see its nodes and GPUs)."""
     import ray
 
     resources = ray.cluster_resources()
@@ -419,6 +478,7 @@ def build_app(config: RayServeConfig):
     verifier_cfg, drafter_cfg, scheduler_cfg = config.cell_configs(
         verifier_gpus, drafter_gpus, internal_token=new_internal_token())
     nodes = cell_nodes(config.cells, verifier_gpus > 0 or drafter_gpus > 0)
+    scheduler = SchedulerIngress if config.cells == 1 else SchedulerReplica
     schedulers = []
     for i, ip in enumerate(nodes):
         # A sliver of the node's own resource pins every replica of the cell to that node.
@@ -433,13 +493,15 @@ def build_app(config: RayServeConfig):
                 name=f"cell{i}-drafter", num_replicas=1,
                 ray_actor_options={"num_cpus": config.service_cpus, "num_gpus": drafter_gpus,
                                    "resources": pin}).bind(drafter_cfg)
-        schedulers.append(SchedulerReplica.options(
+        schedulers.append(scheduler.options(
             name=f"cell{i}-scheduler", num_replicas=1,
             # Requests wait in the engine loop, not in Ray's queue: let them all through.
             max_ongoing_requests=10_000,
             ray_actor_options={"num_cpus": config.service_cpus, "resources": pin}
         ).bind(i, verifier, drafter,
                dataclasses.replace(scheduler_cfg, redis_prefix=f"{config.redis_prefix}cell{i}:")))
+    if config.cells == 1:  # the proxy hands HTTP to the scheduler's app itself: no router hop
+        return schedulers[0]
     return Ingress.options(name="ingress", max_ongoing_requests=10_000,
                            ray_actor_options={"num_cpus": 0}).bind(*schedulers)
 

@@ -1,9 +1,11 @@
 """deploy/ray_serve.py on a local Ray (2 CPUs, no dashboard, token auth as Ray 2.5x+ sets up for a
 new local cluster): two cells of the tiny stack (real verifier, drafter and scheduler replicas),
-concurrent greedy requests through the Ray Serve HTTP ingress spread over both cells, outputs equal
+concurrent greedy requests through the Ray Serve router spread over both cells, outputs equal
 to the embedded engine's token for token, each cell's verifier and drafter refusing calls without
-the application's internal token, then a clean shutdown that leaves no cell port open. Without a
-cluster: the configs the application hands its cells share one fresh internal token.
+the application's internal token, then a clean shutdown that leaves no cell port open. One cell:
+its scheduler replica is the ingress, so HTTP reaches the scheduler's FastAPI app with no router
+in between, and its methods still answer DeploymentHandle calls. Without a cluster: the configs
+the application hands its cells share one fresh internal token.
 
 A missing `ray` is an error here, not a skip: scripts/setup.sh installs ray[serve].
 """
@@ -36,6 +38,7 @@ from dspark.serving.tiny_models import LAYER_IDS, build_tiny_models
 MAX_TOKENS = 12
 PROMPTS = [[3, 9, 27], [5, 6], [10, 11, 12, 13], [7], [40, 41, 2], [22, 23, 24, 25, 26]]
 CHAT = [{"role": "user", "content": "t5 t6 t7"}]
+CHAT_IDS = [1, 5, 6, 7, 2, 3]  # CHAT in the tiny chat template: t1 <content> t2, then t3
 
 
 def load_ray_serve_module():
@@ -69,6 +72,32 @@ def post(url: str, body: dict):
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as reply:
         return reply.headers, reply.headers.get("x-dspark-cell"), reply.read()
+
+
+def get_json(url: str):
+    """The JSON body of a GET."""
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def streamed_token_ids(headers, data: bytes) -> list[int]:
+    """The token ids of a server-sent-events response, checking that it is one: events in order,
+    ending in [DONE]."""
+    assert headers.get("Content-Type", "").startswith("text/event-stream")
+    events = [line[len("data: "):] for line in data.decode().splitlines()
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 2
+    return [t for e in events[:-1] for t in json.loads(e)["dspark"]["token_ids"]]
+
+
+def tiny_config(rs, models, cells: int, http_port: int):
+    """The application over the tiny models, CPU only, small enough for a 2-CPU local Ray."""
+    return rs.RayServeConfig(
+        cells=cells, http_port=http_port, model_dir=str(models.target_dir),
+        drafter_dir=str(models.drafter_dir), cost_table=str(models.cost_table),
+        model_name="tiny", policy="async_topk", kv_cache_tokens=8192, max_context_tokens=256,
+        max_tokens_limit=64, update_cost_table=False, service_cpus=0.25, verifier_gpus=0,
+        drafter_gpus=0)
 
 
 def port_open(address: str) -> bool:
@@ -135,18 +164,12 @@ def test_two_cells_serve_embedded_greedy_outputs_and_shut_down(tmp_path, ray_env
     rs = load_ray_serve_module()
     models = build_tiny_models(tmp_path / "models")
     http_port = free_port()
-    config = rs.RayServeConfig(
-        cells=2, http_port=http_port, model_dir=str(models.target_dir),
-        drafter_dir=str(models.drafter_dir), cost_table=str(models.cost_table),
-        model_name="tiny", policy="async_topk", kv_cache_tokens=8192, max_context_tokens=256,
-        max_tokens_limit=64, update_cost_table=False, service_cpus=0.25, verifier_gpus=0,
-        drafter_gpus=0)
+    config = tiny_config(rs, models, cells=2, http_port=http_port)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         url = rs.deploy(config)
         assert url == f"http://127.0.0.1:{http_port}"
-        with urllib.request.urlopen(f"{url}/cells", timeout=30) as reply:
-            cells = json.loads(reply.read())["cells"]
+        cells = get_json(f"{url}/cells")["cells"]
         assert [c["cell"] for c in cells] == [0, 1]
         addresses = [a for c in cells for a in (c["verifier"], c["drafter"], c["http"], c["grpc"])]
         assert len(set(addresses)) == 8 and all(port_open(a) for a in addresses)
@@ -183,23 +206,17 @@ def test_two_cells_serve_embedded_greedy_outputs_and_shut_down(tmp_path, ray_env
             assert body["usage"]["completion_tokens"] == len(expected)
             assert body["choices"][0]["text"] == " ".join(f"t{i}" for i in expected)
 
-        chat_ids = [1, 5, 6, 7, 2, 3]  # the tiny chat template: t1 <content> t2, then t3
         chat_body = json.loads(chat_data)
         assert chat_body["object"] == "chat.completion"
-        assert chat_body["dspark"]["token_ids"] == embedded_greedy(models, chat_ids, MAX_TOKENS)
+        assert chat_body["dspark"]["token_ids"] == embedded_greedy(models, CHAT_IDS, MAX_TOKENS)
 
-        # Server-sent events come through the ingress as events, in order, ending in [DONE].
-        assert stream_headers.get("Content-Type", "").startswith("text/event-stream")
-        events = [line[len("data: "):] for line in stream_data.decode().splitlines()
-                  if line.startswith("data: ")]
-        assert events[-1] == "[DONE]" and len(events) >= 2
-        streamed_ids = [t for e in events[:-1] for t in json.loads(e)["dspark"]["token_ids"]]
+        # Server-sent events come through the router as events, in order, ending in [DONE].
+        streamed_ids = streamed_token_ids(stream_headers, stream_data)
         assert streamed_ids == embedded_greedy(models, PROMPTS[0], MAX_TOKENS)
 
         # Stored requests are found on whichever cell ran them.
         for _, body in completions:
-            with urllib.request.urlopen(f"{url}/v1/requests/{body['id']}", timeout=30) as reply:
-                stored = json.loads(reply.read())
+            stored = get_json(f"{url}/v1/requests/{body['id']}")
             assert stored["status"] == "finished"
             assert stored["output_token_ids"] == body["dspark"]["token_ids"]
 
@@ -212,5 +229,59 @@ def test_two_cells_serve_embedded_greedy_outputs_and_shut_down(tmp_path, ray_env
         rs.shutdown()
     assert not ray.is_initialized()
     # The replicas drained and closed their services: no cell port and no ingress left open.
+    assert not [a for a in addresses if port_open(a)]
+    assert not port_open(f"127.0.0.1:{http_port}")
+
+
+def test_one_cell_serves_the_scheduler_app_itself(tmp_path, ray_env):
+    """One cell: the application's ingress is the cell's scheduler replica, so Ray's proxy hands
+    HTTP straight to the scheduler's FastAPI app (its schema, no router, no x-dspark-cell), and
+    the replica's methods still answer DeploymentHandle calls."""
+    from ray import serve
+
+    rs = load_ray_serve_module()
+    models = build_tiny_models(tmp_path / "models")
+    http_port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        url = rs.deploy(tiny_config(rs, models, cells=1, http_port=http_port))
+        deployments = serve.status().applications[rs.APP_NAME].deployments
+        assert set(deployments) == {"cell0-verifier", "cell0-drafter", "cell0-scheduler"}
+
+        schema = get_json(f"{url}/openapi.json")
+        assert schema["info"]["title"] == "DSpark Serve"
+        assert {"/v1/completions", "/v1/chat/completions", "/v1/requests/{request_id}",
+                "/health", "/cells"} <= set(schema["paths"])
+        cell, = get_json(f"{url}/cells")["cells"]
+        assert cell["cell"] == 0
+        addresses = [cell["verifier"], cell["drafter"], cell["http"], cell["grpc"]]
+        assert len(set(addresses)) == 4 and all(port_open(a) for a in addresses)
+
+        _, routed_by, chat_data = post(f"{url}/v1/chat/completions",
+                                       {"model": "tiny", "messages": CHAT,
+                                        "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert routed_by is None  # no router in between
+        chat_body = json.loads(chat_data)
+        assert chat_body["object"] == "chat.completion"
+        assert chat_body["dspark"]["token_ids"] == embedded_greedy(models, CHAT_IDS, MAX_TOKENS)
+        stored = get_json(f"{url}/v1/requests/{chat_body['id']}")
+        assert stored["output_token_ids"] == chat_body["dspark"]["token_ids"]
+
+        stream_headers, _, stream_data = post(f"{url}/v1/completions",
+                                              {"model": "tiny", "prompt": PROMPTS[0],
+                                               "max_tokens": MAX_TOKENS, "temperature": 0,
+                                               "stream": True})
+        streamed_ids = streamed_token_ids(stream_headers, stream_data)
+        assert streamed_ids == embedded_greedy(models, PROMPTS[0], MAX_TOKENS)
+
+        handle = serve.get_deployment_handle("cell0-scheduler", rs.APP_NAME)
+        assert handle.info.remote().result(timeout_s=60)["http"] == cell["http"]
+        status, content_type, body = handle.forward.remote("GET", "/health", {}, b"").result(
+            timeout_s=60)
+        assert status == 200 and content_type == "application/json"
+        assert json.loads(body)["status"] == "ok"
+    finally:
+        rs.shutdown()
+    assert not ray.is_initialized()
     assert not [a for a in addresses if port_open(a)]
     assert not port_open(f"127.0.0.1:{http_port}")

@@ -3,9 +3,9 @@
 The 16-stream case of bench/target_decode.py, taken apart. The 16 chat prompts are prefilled
 together (one `TargetRunner.forward`, chunked). Then `--steps` decode steps of 16 x 1 token are
 timed, and `--profile-steps` more run under the torch profiler. The profiler's self-CPU time is
-grouped into matrix products, attention (SDPA) and everything else. Prints a markdown table and
-one JSON line. Usage:
-    .venv/bin/python bench/decode_breakdown.py [--streams 16] [--threads 2] [--steps 20]
+grouped into matrix products, attention (SDPA) and everything else; `--top-ops N` also prints the
+profiler's N operators with the most self time. Prints a markdown table and one JSON line. Usage:
+    .venv/bin/python bench/decode_breakdown.py [--streams 16] [--threads 2] [--steps 20] [--top-ops 12]
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--attention", default=None, choices=[a.value for a in AttentionImpl],
                         help="attention implementation (default: the runner's)")
+    parser.add_argument("--top-ops", type=int, default=0,
+                        help="also print the profiler's table of this many operators by self time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -99,6 +101,8 @@ def main() -> int:
     print(f"| one decode step ({args.streams} x 1 token), median of {args.steps} | {step_ms:.1f} ms |")
     for name, ms in groups.items():
         print(f"| - {name} (profiler self time per step) | {ms:.1f} ms |")
+    if args.top_ops:
+        print("\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top_ops))
     print(json.dumps({"bench": "decode_breakdown", "streams": args.streams, "threads": args.threads,
                       "dtype": args.dtype, "attention": runner.attention.value,
                       "prompt_tokens": sum(len(p) for p in prompts),

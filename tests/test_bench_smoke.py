@@ -104,7 +104,7 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
         "data_generate.py": ["--model-dir", t, "--train-dir", str(p["train"]), "--prompts", "4",
                              "--batch-size", "2", "--max-new-tokens", "3", *one],
         "decode_breakdown.py": ["--model-dir", t, "--eval-dir", str(p["eval"]), "--streams", "2",
-                                "--steps", "2", "--profile-steps", "1", *one],
+                                "--steps", "2", "--profile-steps", "1", "--top-ops", "3", *one],
         "packed_weights.py": ["--model-dir", t, "--context", "8", "--repeats", "1", *one],
         "paged_attention_kernel.py": ["--streams", "2", "--context", "20", "--new-tokens", "1,3",
                                       "--repeats", "1", "--against", "HEAD", *one],

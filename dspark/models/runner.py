@@ -248,7 +248,8 @@ class TargetRunner:
         hidden_parts: list[list[torch.Tensor]] = [[] for _ in items]
         group = self.model_config.num_queries_per_kv
         layer_ids = self.config.hidden_layer_ids
-        for pieces in self._plan(items):
+        passes = self._plan(items)
+        for pieces in passes:
             if self.attention in (AttentionImpl.PAGED, AttentionImpl.PADDED):
                 batch, logit_rows = self._table_batch(items, old_lengths, pieces)
             else:
@@ -265,9 +266,15 @@ class TargetRunner:
                     hidden_parts[piece.item].append(hidden[token:token + piece.end - piece.start])
                 token += piece.end - piece.start
         logit_counts = [sum(p.shape[0] for p in parts) for parts in logits_parts]
-        out_logits = torch.cat([p for parts in logits_parts for p in parts], dim=0)
-        out_hidden = (torch.cat([p for parts in hidden_parts for p in parts], dim=0)
-                      if layer_ids else None)
+        if len(passes) == 1 and [piece.item for piece in passes[0]] == list(range(len(items))):
+            # one pass, one piece an item, in item order (a decode or verification step): the
+            # pass's rows already are the output, and a copy of a big batch's logits into a
+            # freshly allocated tensor costs more than the LM head's own conversion
+            out_logits, out_hidden = logits, hidden
+        else:
+            out_logits = torch.cat([p for parts in logits_parts for p in parts], dim=0)
+            out_hidden = (torch.cat([p for parts in hidden_parts for p in parts], dim=0)
+                          if layer_ids else None)
         return ForwardOutput(out_logits, logit_counts, out_hidden, [len(it.token_ids) for it in items])
 
     def _flat_batch(self, items: Sequence[ForwardItem], old_lengths: list[int],

@@ -49,6 +49,7 @@ compose() { docker-compose -p "$PROJECT" -f "$MERGED" "$@"; }
 now() { date +%s.%N; }
 elapsed() { "$PY" -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$1" "$(now)"; }
 
+check_start="$(now)"
 # One check at a time on a machine: they share the project's names and ports.
 exec 9>/tmp/dspark-compose-check.lock
 flock -w 1800 9 || { echo "error: another compose check holds /tmp/dspark-compose-check.lock" >&2; exit 1; }
@@ -60,6 +61,7 @@ for port in 18000 15050 15051 15052 16379; do
   fi
 done
 
+start="$(now)"
 if [[ -z "${DSPARK_BASE_IMAGE:-}" ]]; then
   bash deploy/make_base_image.sh
   export DSPARK_BASE_IMAGE=dspark-base:bookworm DSPARK_REDIS_BASE_IMAGE=dspark-redis-base:bookworm
@@ -69,6 +71,8 @@ if ! ls deploy/wheelhouse/torch-*.whl >/dev/null 2>&1 || ! ls deploy/wheelhouse/
   bash deploy/make_wheelhouse.sh "$PY"
   touch deploy/wheelhouse/.filled
 fi
+prepare_seconds="$(elapsed "$start")"
+echo "compose check: base images and wheelhouse ready in ${prepare_seconds} s" >&2
 merge
 # Start from no containers of the project (a run stopped half-way leaves some), fresh secrets
 # (so the first start generates the API key) and an empty Redis; the model volume stays.
@@ -106,10 +110,12 @@ set +e
 "$PY" deploy/compose_check.py --project "$PROJECT" --file "$MERGED" "${profile_args[@]}" --report "$report"
 code=$?
 set -e
-"$PY" - "$report" "$build_seconds" "$image_bytes" "$COLD" <<'PYEOF'
+"$PY" - "$report" "$(elapsed "$check_start")" "$prepare_seconds" "$build_seconds" "$image_bytes" "$COLD" <<'PYEOF'
 import json, sys
-path, build_seconds, image_bytes, cold = sys.argv[1:]
+path, check_seconds, prepare_seconds, build_seconds, image_bytes, cold = sys.argv[1:]
 report = json.loads(open(path).read())
+report["check_seconds"] = float(check_seconds)
+report["base_images_and_wheelhouse_seconds"] = float(prepare_seconds)
 report["build_seconds"] = float(build_seconds)
 report["build_cold"] = cold == "1"
 report["image_bytes"] = int(image_bytes)

@@ -23,6 +23,7 @@ LABEL = re.compile(
     r"|\b[Tt][Hh][Ii][Ss]\s+[Ss][Ee][Ss][Ss][Ii][Oo][Nn]\b"
     r"|\b[Ii][Ss][Ss][Uu][Ee][Ss]?[\s_-]*#?\d+"  # a tracker reference (also across a line break)
     r"|\b[Pp][Aa][Rr][Tt][Ss]?\s+\d+\b"
+    r"|(?<![A-Za-z-])[Ss][Tt][Oo][Pp][\s_-]*#?\d+\b"  # a numbered stopping point of the work
 )
 MAX_TEXT_BYTES = 2_000_000  # larger tracked files are data (weights, answer sets), not prose
 
@@ -48,16 +49,36 @@ def text_of(path: Path) -> str | None:
     return data.decode("utf-8", errors="replace")
 
 
+def labels_in(text: str) -> list[tuple[int, str, str]]:
+    """(line number, label, its line) of every label in `text`, also of one split across a line
+    break (the pattern's whitespace takes newlines, so the text is searched whole)."""
+    found = []
+    for match in LABEL.finditer(text):
+        start = text.rfind("\n", 0, match.start()) + 1
+        end = text.find("\n", match.start())
+        line = text[start:end if end >= 0 else len(text)]
+        found.append((text.count("\n", 0, match.start()) + 1, match.group(0), line))
+    return found
+
+
 def test_the_pattern_catches_labels_and_spares_ordinary_words():
     # split in two, so that this file's own text holds no label
     for labelled in ("as in sess" "ion 13", "Sess" "ion 7's run", "sess" "ions 13-15",
                      "loadtest_sess" "ion9/", "iss" "ue 5 pa" "rt 4", "(Iss" "ue 4)", "iss" "ue #12",
                      "this sess" "ion found", "in pa" "rt 3",
-                     "16 users (sess" "ion\n        15)", "iss" "ue\n 7"):
+                     "16 users (sess" "ion\n        15)", "iss" "ue\n 7", "as in st" "op 36",
+                     "St" "op 4's run", "loadtest_st" "op9/", "st" "op\n 12"):
         assert LABEL.search(labelled), labelled
     for plain in ("a session token", "the phase-2 drafter", "part of the prompt", "issues a request",
-                  "sessionless", "parts of 15 MiB"):
+                  "sessionless", "parts of 15 MiB", "stop tokens", "stop strings 3 and 4",
+                  "non-stop 24 hours", "the stop_token_ids", "stopped 3 requests"):
         assert not LABEL.search(plain), plain
+
+
+def test_the_scan_finds_a_label_split_across_lines():
+    text = "first line\nmeasured in sess" "ion\n13 with\nlast line, st" "op\n36\n"
+    assert [(number, line) for number, _, line in labels_in(text)] == [
+        (2, "measured in sess" "ion"), (4, "last line, st" "op")]
 
 
 def test_no_work_period_labels_in_tracked_files_or_names():
@@ -70,9 +91,7 @@ def test_no_work_period_labels_in_tracked_files_or_names():
         text = text_of(REPO_ROOT / name)
         if text is None:
             continue
-        for number, line in enumerate(text.splitlines(), 1):
-            match = LABEL.search(line)
-            if match:
-                found.append(f"{name}:{number}: {match.group(0)!r} in {line.strip()[:120]}")
+        for number, label, line in labels_in(text):
+            found.append(f"{name}:{number}: {label!r} in {line.strip()[:120]}")
     assert not found, ("state the condition and the number instead of a work-period label or "
                        "tracker reference:\n" + "\n".join(found))

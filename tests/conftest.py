@@ -1,5 +1,6 @@
 """Shared fixtures: the demo target (prepared once per machine), the eval prompt files, one torch
-thread for every test, and the tiny random Llama targets and tokenizer the tests build."""
+thread for every test, and the tiny random Llama targets, tokenizer and DSpark drafter the tests
+build (`tiny_dspark`, a plain function: test modules import it with `from .conftest import`)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,37 @@ def save_char_tokenizer():
                                 chat_template=CHATML_TEMPLATE).save_pretrained(folder)
 
     return save
+
+
+def tiny_dspark(seed: int | None = None, runner=None, noisy_confidence: bool = False, **config):
+    """An untrained DSpark drafter for TINY_LLAMA: gamma 4, context from target layers 0, 2 and 3,
+    mask token 1, a Markov head of rank 16 (`config` overrides any DrafterConfig field), built
+    right after `torch.manual_seed(seed)`, or on the caller's random stream when seed is None.
+
+    The Markov head's second layer is drawn from N(0, 0.5^2), so that the untrained sequential
+    head is not trivial; `noisy_confidence` draws the confidence head from N(0, 1), so that
+    confidences spread over (0, 1). `runner` (a TargetRunner) ties the drafter to its target's
+    embeddings and LM head, as loading a checkpoint does."""
+    import torch
+
+    from dspark.models.drafter import DSparkDrafter
+    from dspark.models.drafter_config import DrafterConfig
+    from dspark.serving.tiny_models import GAMMA, LAYER_IDS
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    fields = dict(block_size=GAMMA, mask_token_id=1, target_layer_ids=list(LAYER_IDS),
+                  markov_rank=16)
+    drafter = DSparkDrafter(DrafterConfig.from_target_config(TINY_LLAMA, **{**fields, **config}))
+    drafter.eval()
+    with torch.no_grad():
+        if drafter.markov_head is not None:
+            drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
+        if noisy_confidence:
+            drafter.confidence_head.proj.weight.normal_(0, 1.0)
+    if runner is not None:
+        drafter.set_target_weights(runner.model.embed_tokens.weight, runner.model.lm_head.weight)
+    return drafter
 
 
 @pytest.fixture(scope="session")

@@ -10,17 +10,14 @@ import json
 import math
 
 import pytest
-import torch
 
 from dspark import bench_cli, bench_e2e
 from dspark.calibration import CALIBRATION_FILENAME, STSCalibration
-from dspark.models.drafter import DSparkDrafter
-from dspark.models.drafter_config import DrafterConfig, SequentialHead
 from dspark.models.drafter_io import save_drafter
+from dspark.serving.tiny_models import GAMMA
 
-VOCAB = 64
-GAMMA = 4
-LAYER_IDS = [0, 2, 3]
+from .conftest import tiny_dspark
+
 DATASETS = ["gsm8k", "humaneval", "mt-bench"]
 LIMIT, MAX_TOKENS = 1, 10
 
@@ -32,15 +29,8 @@ def setup(tmp_path_factory, save_tiny_chat_target):
     target = root / "target"
     save_tiny_chat_target(target)
 
-    cfg = DrafterConfig.from_target_config(
-        json.loads((target / "config.json").read_text()), num_hidden_layers=1, block_size=GAMMA,
-        mask_token_id=0, target_layer_ids=LAYER_IDS, markov_head_type=SequentialHead.MARKOV,
-        markov_rank=16, enable_confidence_head=True)
-    drafter = DSparkDrafter(cfg)
-    with torch.no_grad():
-        drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
     ckpts = root / "checkpoints"
-    save_drafter(drafter, ckpts / "dspark-markov")
+    save_drafter(tiny_dspark(mask_token_id=0), ckpts / "dspark-markov")
     STSCalibration([1.5] * GAMMA).save(ckpts / "dspark-markov" / CALIBRATION_FILENAME)
 
     evals = root / "eval"

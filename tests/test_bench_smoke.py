@@ -22,6 +22,8 @@ import torch
 
 from dspark.paths import REPO_ROOT
 
+from .conftest import tiny_dspark
+
 BENCH = REPO_ROOT / "bench"
 
 EXEMPT = {
@@ -38,8 +40,6 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     """Paths the scripts take: target, checkpoints folder, drafter checkpoints, eval sets, data."""
     from transformers import AutoTokenizer
 
-    from dspark.models.drafter import DSparkDrafter
-    from dspark.models.drafter_config import DrafterConfig
     from dspark.models.drafter_io import save_drafter
     from dspark.serving.tiny_models import VOCAB, build_tiny_models
 
@@ -53,12 +53,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 
     # The training-based probes read the teacher's features below its final layer (which
     # transformers already normalises), so their drafter takes layers 0-2 of the 4.
-    torch.manual_seed(1)
-    config = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-                           target_layer_ids=[0, 1, 2], num_target_layers=4, block_size=4,
-                           mask_token_id=1, markov_rank=16)
-    save_drafter(DSparkDrafter(config).eval(), root / "probe_drafter")
+    save_drafter(tiny_dspark(1, target_layer_ids=[0, 1, 2]), root / "probe_drafter")
 
     eval_dir = root / "eval"
     eval_dir.mkdir()

@@ -13,15 +13,12 @@ from scipy.stats import chisquare
 
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.engine import Engine, EngineConfig
-from dspark.models.drafter import DSparkDrafter
-from dspark.models.drafter_config import DrafterConfig
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.sampling import SamplingParams
+from dspark.serving.tiny_models import GAMMA, LAYER_IDS, VOCAB
 from dspark.verifier import PrefillChunk, TargetVerifier
 
-VOCAB = 64
-LAYER_IDS = (0, 2, 3)
-GAMMA = 4
+from .conftest import tiny_dspark
 
 
 def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int = 8,
@@ -29,19 +26,7 @@ def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int
                 probe_interval: int = 8, kv_cache_tokens: int = 8192, **config) -> Engine:
     runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS,
                                                kv_cache_tokens=kv_cache_tokens))
-    drafter = None
-    if with_drafter:
-        torch.manual_seed(seed)
-        mc = runner.model_config
-        cfg = DrafterConfig(hidden_size=mc.hidden_size, intermediate_size=128,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            vocab_size=VOCAB, target_layer_ids=list(LAYER_IDS),
-                            num_target_layers=mc.num_hidden_layers, block_size=GAMMA,
-                            mask_token_id=1, markov_rank=16)
-        drafter = DSparkDrafter(cfg).eval()
-        with torch.no_grad():  # an untrained but non-trivial sequential head
-            drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
-        drafter.set_target_weights(runner.model.embed_tokens.weight, runner.model.lm_head.weight)
+    drafter = tiny_dspark(seed, runner) if with_drafter else None
     # A smooth cost table: verifying more tokens costs a little more.
     if table is None:
         table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})

@@ -15,15 +15,13 @@ from dspark.evaluation.acceptance import (AcceptanceRecords, CollectConfig, Roun
                                           acceptance_length, collect_records,
                                           conditional_acceptance, summarize)
 from dspark.models.draft_types import DraftBlock
-from dspark.models.drafter import DSparkDrafter
-from dspark.models.drafter_config import DrafterConfig
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.sampling import SamplingParams
+from dspark.serving.tiny_models import GAMMA, LAYER_IDS, VOCAB
 from dspark.verifier import TargetVerifier
 
-VOCAB = 64
-LAYER_IDS = (0, 2, 3)
-GAMMA = 4
+from ..conftest import tiny_dspark
+
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [40], [8, 8, 8, 8, 8]]
 
 
@@ -177,26 +175,10 @@ def test_oracle_drafter_acceptance(tiny_target, wrong):
         assert got == ref
 
 
-def tiny_dspark(runner: TargetRunner, seed: int = 0) -> DSparkDrafter:
-    torch.manual_seed(seed)
-    mc = runner.model_config
-    cfg = DrafterConfig(hidden_size=mc.hidden_size, intermediate_size=128, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-                        target_layer_ids=list(LAYER_IDS), num_target_layers=mc.num_hidden_layers,
-                        block_size=GAMMA, mask_token_id=1, markov_rank=16,
-                        enable_confidence_head=True)
-    drafter = DSparkDrafter(cfg).eval()
-    with torch.no_grad():
-        drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
-        drafter.confidence_head.proj.weight.normal_(0, 1.0)
-    drafter.set_target_weights(runner.model.embed_tokens.weight, runner.model.lm_head.weight)
-    return drafter
-
-
 def test_observer_rows_add_up_to_the_engine_metrics(tiny_target):
     folder, _ = tiny_target
     runner = make_runner(folder)
-    drafter = tiny_dspark(runner)
+    drafter = tiny_dspark(0, runner, noisy_confidence=True)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds({1: 1.0}),
                     EngineConfig(policy=f"fixed:{GAMMA}", max_running=4, update_cost_table=False))
     collector = RoundCollector()

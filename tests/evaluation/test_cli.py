@@ -10,18 +10,16 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 
 from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, fit_sts
 from dspark.evaluation import calibrate_cli, eval_cli
-from dspark.models.drafter import DSparkDrafter
-from dspark.models.drafter_config import DrafterConfig, SequentialHead
+from dspark.models.drafter_config import SequentialHead
 from dspark.models.drafter_io import save_drafter
 from dspark.models.eagle import EagleDrafter, eagle_config
+from dspark.serving.tiny_models import GAMMA
 
-VOCAB = 64
-GAMMA = 4
-LAYER_IDS = [0, 2, 3]
+from ..conftest import tiny_dspark
+
 EAGLE_LAYER_IDS = [1, 2]  # a different layer set: the eval reloads the target for it
 
 
@@ -35,15 +33,8 @@ def setup(tmp_path_factory, save_tiny_chat_target):
 
     ckpts = root / "checkpoints"
     for sub, head in (("dspark-markov", SequentialHead.MARKOV), ("dflash", SequentialHead.NONE)):
-        cfg = DrafterConfig.from_target_config(
-            target_config, num_hidden_layers=1, block_size=GAMMA, mask_token_id=0,
-            target_layer_ids=LAYER_IDS, markov_head_type=head,
-            markov_rank=16 if head == SequentialHead.MARKOV else 0, enable_confidence_head=True)
-        drafter = DSparkDrafter(cfg)
-        with torch.no_grad():
-            if drafter.markov_head is not None:
-                drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
-            drafter.confidence_head.proj.weight.normal_(0, 1.0)
+        drafter = tiny_dspark(noisy_confidence=True, mask_token_id=0, markov_head_type=head,
+                              markov_rank=16 if head == SequentialHead.MARKOV else 0)
         save_drafter(drafter, ckpts / sub)
     save_drafter(EagleDrafter(eagle_config(target_config, target_layer_ids=EAGLE_LAYER_IDS,
                                            block_size=GAMMA)), ckpts / "eagle")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass
 
@@ -44,6 +46,22 @@ class Stack:
     processes: dict[str, ServiceProcess]
     redis_prefix: str
     api_key: str = API_KEY
+
+    def post(self, path: str, body: dict | None = None, key: str | None = "default",
+             raw: bytes | None = None) -> tuple[int, dict]:
+        """(HTTP status, JSON reply) of POSTing `body` as JSON (or the bytes `raw`) to the REST
+        API at `path`, with `key` as the bearer token ("default": the stack's key; None: none)."""
+        data = raw if raw is not None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=data,
+                                         method="POST", headers={"Content-Type": "application/json"})
+        if key is not None:
+            request.add_header("Authorization",
+                               f"Bearer {self.api_key if key == 'default' else key}")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
 
 
 def start_verifier(models: TinyModels, name: str = "verifier", port: int | None = None,

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import grpc
 import openai
 import pytest
@@ -66,22 +62,8 @@ def test_rest_api_key_required(stack):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=key,
                           max_retries=0).completions.create(model="tiny", prompt="t3", max_tokens=2)
-    status, body = post(stack, "/v1/completions", {"model": "tiny", "prompt": "t3"}, key=None)
+    status, body = stack.post("/v1/completions", {"model": "tiny", "prompt": "t3"}, key=None)
     assert status == 401 and "API key" in body["error"]["message"]
-
-
-def post(stack, path: str, body, key: str | None = "default", raw: bytes | None = None):
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", data=data,
-                                     method="POST", headers={"Content-Type": "application/json"})
-    if key is not None:
-        request.add_header("Authorization",
-                           f"Bearer {stack.api_key if key == 'default' else key}")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 BASE = {"model": "tiny", "prompt": "t3 t4", "max_tokens": 4}
@@ -113,16 +95,16 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "t3"}], "max_t
     ("/v1/nothing", BASE, 404, "no route"),
 ])
 def test_each_bad_input_gets_its_4xx(stack, path, body, status, words):
-    got, reply = post(stack, path, body)
+    got, reply = stack.post(path, body)
     assert got == status, reply
     assert words in reply["error"]["message"]
 
 
 def test_bad_json_and_non_object_body(stack):
-    got, reply = post(stack, "/v1/completions", None, raw=b"{not json")
+    got, reply = stack.post("/v1/completions", None, raw=b"{not json")
     assert got == 400 and "invalid JSON" in reply["error"]["message"]
-    got, reply = post(stack, "/v1/completions", None, raw=b"[1, 2]")
+    got, reply = stack.post("/v1/completions", None, raw=b"[1, 2]")
     assert got == 400 and "must be an object" in reply["error"]["message"]
     # The server is still fine afterwards.
-    got, reply = post(stack, "/v1/completions", BASE)
+    got, reply = stack.post("/v1/completions", BASE)
     assert got == 200 and reply["choices"][0]["finish_reason"] == "length"

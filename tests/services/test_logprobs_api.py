@@ -6,10 +6,6 @@ are a 400 naming the field."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import grpc
 import openai
 import pytest
@@ -148,18 +144,6 @@ def test_grpc_generate_returns_logprobs(stack, target):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in e.value.details()
 
 
-def post(stack, path: str, body: dict):
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{stack.http_port}{path}", data=json.dumps(body).encode(),
-        method="POST", headers={"Content-Type": "application/json",
-                                "Authorization": f"Bearer {stack.api_key}"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 @pytest.mark.parametrize("path, extra, param", [
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
@@ -174,7 +158,7 @@ def post(stack, path: str, body: dict):
 def test_bad_logprobs_values_are_a_400_naming_the_field(stack, path, extra, param):
     body = {"model": "tiny", "max_tokens": 4, **extra}
     body.update({"messages": CHAT} if "chat" in path else {"prompt": PROMPT})
-    status, reply = post(stack, path, body)
+    status, reply = stack.post(path, body)
     assert status == 400, reply
     assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import urllib.error
 import urllib.request
 
 import openai
@@ -18,17 +17,6 @@ PROMPT = [3, 9, 27, 17]
 
 def base_url(stack) -> str:
     return f"http://127.0.0.1:{stack.http_port}"
-
-
-def post(stack, path: str, body: dict | None = None, raw: bytes | None = None):
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(base_url(stack) + path, data=data, method="POST", headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {stack.api_key}"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def words(token_ids: list[int]) -> str:
@@ -71,7 +59,7 @@ def test_sync_chat_not_streamed_has_usage(stack, embedded_greedy):
 
 
 def test_null_means_the_default(stack):
-    status, body = post(stack, "/v1/completions", {
+    status, body = stack.post("/v1/completions", {
         "model": "tiny", "prompt": PROMPT, "max_tokens": None, "temperature": None,
         "top_p": None, "seed": None, "stop": None, "stream": None, "n": None, "user": None,
         "stream_options": None, "logprobs": None})
@@ -99,8 +87,8 @@ def test_stop_string_ends_the_output_before_it(stack, embedded_greedy, stream):
 
 def test_seed_makes_sampling_reproducible(stack):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 1234}
-    first = post(stack, "/v1/completions", body)[1]["dspark"]["token_ids"]
-    second = post(stack, "/v1/completions", body)[1]["dspark"]["token_ids"]
+    first = stack.post("/v1/completions", body)[1]["dspark"]["token_ids"]
+    second = stack.post("/v1/completions", body)[1]["dspark"]["token_ids"]
     assert first == second and len(first) == 12
 
 
@@ -127,7 +115,7 @@ def test_stream_without_include_usage_has_no_chat_usage(stack):
 ])
 def test_unsupported_or_invalid_parameter_is_a_400_naming_it(stack, extra, param,
                                                              words_in_message):
-    status, body = post(stack, "/v1/completions", {"model": "tiny", "prompt": PROMPT,
+    status, body = stack.post("/v1/completions", {"model": "tiny", "prompt": PROMPT,
                                                    "max_tokens": 4, **extra})
     assert status == 400, body
     assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
@@ -136,13 +124,13 @@ def test_unsupported_or_invalid_parameter_is_a_400_naming_it(stack, extra, param
 
 def test_chat_top_logprobs_out_of_range_and_n_are_refused_by_name(stack):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "t3"}], "max_tokens": 4}
-    status, body = post(stack, "/v1/chat/completions", {**chat, "logprobs": True,
+    status, body = stack.post("/v1/chat/completions", {**chat, "logprobs": True,
                                                         "top_logprobs": 21})
     assert status == 400 and body["error"]["param"] == "top_logprobs"
-    status, body = post(stack, "/v1/chat/completions", {**chat, "n": 3})
+    status, body = stack.post("/v1/chat/completions", {**chat, "n": 3})
     assert status == 400 and body["error"]["param"] == "n"
     named = [{"role": "user", "content": "t3", "name": "ada"}]
-    status, body = post(stack, "/v1/chat/completions", {**chat, "messages": named})
+    status, body = stack.post("/v1/chat/completions", {**chat, "messages": named})
     assert status == 400 and body["error"]["param"] == "messages"
     assert "name is not supported" in body["error"]["message"]
 
@@ -176,8 +164,8 @@ def test_openapi_schema_and_docs(stack):
 def test_latency_histograms_and_errors_by_status_are_exported(stack):
     from prometheus_client.parser import text_string_to_metric_families
 
-    post(stack, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
-    post(stack, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 0})
+    stack.post("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+    stack.post("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 0})
     with urllib.request.urlopen(base_url(stack) + "/metrics", timeout=30) as r:
         samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
     value = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}

@@ -13,6 +13,10 @@ deploy/docker-compose.hostnet.yml: every container on the host network, on 127.0
    both to the reference output.
 5. `down` leaves no container of the project; `up -d` again reuses the prepared model (same
    volume, model file untouched) and answers exactly.
+With --monitoring-service (the monitoring profile's services whose images are here), those are
+started too; Prometheus must scrape the scheduler and answer every PromQL expression of the
+Grafana dashboard (deploy/grafana/dspark.json), with data for the request and token counters
+after the exactness step's traffic.
 
 Every step prints a line; the measurements go to a JSON report (--report). Exit code 0 only when
 every step held. Needs the repository's Python environment (grpcio, the generated stubs).
@@ -28,9 +32,12 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -59,6 +66,9 @@ LONG_CASES = [
      "max_tokens": 128},
 ]
 READY_TIMEOUT_SECONDS = 600.0
+PROMETHEUS_PORT = 19090  # deploy/docker-compose.hostnet.yml
+PROMETHEUS_TIMEOUT_SECONDS = 60.0
+DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dspark.json"
 
 
 class CheckFailed(AssertionError):
@@ -76,24 +86,33 @@ def log(message: str) -> None:
 
 @dataclass
 class Compose:
-    """docker-compose for one project with its files, and the names Docker gives its parts."""
+    """docker-compose for one project with its files, and the names Docker gives its parts;
+    `monitoring` names the monitoring profile's services to start with the stack."""
 
     project: str
     files: list[str]
-    profiles: list[str] = field(default_factory=list)
+    monitoring: list[str] = field(default_factory=list)
 
     def run(self, *args: str, check: bool = True, timeout: float = 900) -> str:
         command = ["docker-compose", "-p", self.project]
         for f in self.files:
             command += ["-f", f]
-        for p in self.profiles:
-            command += ["--profile", p]
+        if self.monitoring:
+            command += ["--profile", "monitoring"]
         done = subprocess.run([*command, *args], cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=timeout)
         if check and done.returncode != 0:
             raise CheckFailed(f"{' '.join(args)} failed ({done.returncode}):\n"
                               f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
         return done.stdout + done.stderr
+
+    def services_to_start(self) -> list[str]:
+        """Every service outside a profile plus the chosen monitoring ones (none named: all of
+        the active profiles' services, which `up` starts by default)."""
+        if not self.monitoring:
+            return []
+        services = yaml.safe_load(self.run("config"))["services"]
+        return [name for name, s in services.items() if not s.get("profiles")] + self.monitoring
 
     def container(self, service: str) -> str:
         return f"{self.project}_{service}_1"
@@ -278,7 +297,7 @@ def up(compose: Compose, client: Client, report: dict, label: str, on_up=None) -
     key is the one the secrets service generated at the first start. on_up() is called as soon
     as `up -d` returns (the model is prepared by then)."""
     started = time.monotonic()
-    compose.run("up", "-d")
+    compose.run("up", "-d", *compose.services_to_start())
     up_returned = time.monotonic() - started
     if on_up is not None:
         on_up()
@@ -420,16 +439,51 @@ def check_down_then_up_again(compose: Compose, client: Client, image: str, data_
     log(f"up again reused the prepared model ({model_before.split()[0]}) and answered exactly")
 
 
-def check_monitoring(compose: Compose, report: dict) -> None:
-    if not compose.profiles:
-        return
-    services = compose.run("config", "--services").split()
-    monitoring = [s for s in services if s in ("prometheus", "grafana")]
-    for service in monitoring:
+def check_monitoring_running(compose: Compose, report: dict) -> None:
+    for service in compose.monitoring:
         status = docker("inspect", "-f", "{{.State.Status}}", compose.container(service)).strip()
         expect(status == "running", f"{service} is {status}")
-    report["monitoring_services"] = monitoring
-    log(f"monitoring profile running: {', '.join(monitoring)}")
+    report["monitoring_services"] = compose.monitoring
+    log(f"monitoring profile running: {', '.join(compose.monitoring)}")
+
+
+def dashboard_queries() -> list[str]:
+    """The dashboard's panel expressions, with Grafana's variables filled as Grafana would."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"].replace("$__rate_interval", "1m").replace("$model", ".*")
+            for panel in dashboard["panels"] for t in panel.get("targets", [])]
+
+
+def prometheus_query(expr: str) -> list[dict]:
+    """One instant query through Prometheus's HTTP API; its result vector."""
+    url = f"http://{HOST}:{PROMETHEUS_PORT}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as e:  # a bad expression is a 400 with the error in the body
+        body = json.loads(e.read())
+    expect(body.get("status") == "success", f"Prometheus refused {expr!r}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def check_dashboard_queries(report: dict) -> None:
+    """Prometheus scrapes the scheduler, and every dashboard expression evaluates; the request
+    and output-token counters hold the traffic sent so far (after the next scrape)."""
+    deadline = time.monotonic() + PROMETHEUS_TIMEOUT_SECONDS
+    while True:
+        up = prometheus_query('up{job="dspark-scheduler"}')
+        served = prometheus_query("sum(dspark:request_success_total)")
+        if up and up[0]["value"][1] == "1" and served and float(served[0]["value"][1]) > 0:
+            break
+        expect(time.monotonic() < deadline, f"Prometheus has not scraped the scheduler's traffic "
+                                            f"in {PROMETHEUS_TIMEOUT_SECONDS:.0f} s (up: {up})")
+        time.sleep(1.0)
+    queries = dashboard_queries()
+    with_data = [expr for expr in queries if prometheus_query(expr)]
+    report["dashboard_queries"] = len(queries)
+    report["dashboard_queries_with_data"] = len(with_data)
+    log(f"Prometheus scrapes the scheduler; all {len(queries)} dashboard expressions evaluate, "
+        f"{len(with_data)} with data")
 
 
 def main() -> int:
@@ -438,14 +492,15 @@ def main() -> int:
     parser.add_argument("--file", action="append", dest="files",
                         default=None, help="compose files (default: docker-compose.yml and "
                                            "deploy/docker-compose.hostnet.yml)")
-    parser.add_argument("--profile", action="append", dest="profiles", default=[])
+    parser.add_argument("--monitoring-service", action="append", dest="monitoring", default=[],
+                        help="a monitoring profile service to start too (its image is here)")
     parser.add_argument("--image", default="dspark-serve:latest")
     parser.add_argument("--http-port", type=int, default=18000)
     parser.add_argument("--grpc-port", type=int, default=15050)
     parser.add_argument("--report", type=Path, default=None, help="JSON file for the measurements")
     args = parser.parse_args()
     files = args.files or ["docker-compose.yml", "deploy/docker-compose.hostnet.yml"]
-    compose = Compose(args.project, files, args.profiles)
+    compose = Compose(args.project, files, args.monitoring)
     data_volume = compose.volume("dspark-data")
     report: dict = {}
     try:
@@ -459,12 +514,14 @@ def main() -> int:
         status, _ = client.call("GET", "/v1/models", key="dsk-wrong")
         expect(status == 401, f"/v1/models with a wrong key answered {status}, not 401")
         log("API keys are on: no key or a wrong key gets 401")
-        check_monitoring(compose, report)
+        check_monitoring_running(compose, report)
 
         refs = references.result()
         short_refs, long_refs = refs[:len(SHORT_CASES)], refs[len(SHORT_CASES):]
         report["long_reference_tokens"] = [len(r["output_ids"]) for r in long_refs]
         check_exact(client, short_refs, report)
+        if "prometheus" in compose.monitoring:
+            check_dashboard_queries(report)
         check_drafter_killed_mid_stream(compose, client, LONG_CASES[0], long_refs[0], report)
         check_scheduler_restart(compose, client, SHORT_CASES[0], short_refs[0], LONG_CASES[1],
                                 long_refs[1], report)

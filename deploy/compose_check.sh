@@ -65,6 +65,7 @@ start="$(now)"
 if [[ -z "${DSPARK_BASE_IMAGE:-}" ]]; then
   bash deploy/make_base_image.sh
   export DSPARK_BASE_IMAGE=dspark-base:bookworm DSPARK_REDIS_BASE_IMAGE=dspark-redis-base:bookworm
+  export PROMETHEUS_IMAGE="${PROMETHEUS_IMAGE:-dspark-prometheus:bookworm}"
 fi
 if ! ls deploy/wheelhouse/torch-*.whl >/dev/null 2>&1 || ! ls deploy/wheelhouse/models/*.whl >/dev/null 2>&1 \
     || [[ deploy/requirements.txt -nt deploy/wheelhouse/.filled ]] || [[ constraints.txt -nt deploy/wheelhouse/.filled ]]; then
@@ -89,25 +90,27 @@ image_bytes="$(docker image inspect -f '{{.Size}}' dspark-serve:latest)"
 echo "compose check: built in ${build_seconds} s ($([[ $COLD == 1 ]] && echo cold || echo with the build cache));" \
      "dspark-serve:latest is ${image_bytes} bytes" >&2
 
-# The monitoring profile (Prometheus, Grafana) is started too when the file has it and its
-# images are here (no registry to pull them from).
-profile_args=()
+# The monitoring profile's services (Prometheus, Grafana) are started too where their images are
+# here (no registry to pull them from): deploy/make_base_image.sh makes a Prometheus image from
+# Debian's package; Grafana has none.
+monitoring_args=()
 merge --profile monitoring
-monitoring_images="$("$PY" -c '
+while read -r service image; do
+  if docker image inspect "$image" >/dev/null 2>&1; then
+    monitoring_args+=(--monitoring-service "$service")
+  else
+    echo "compose check: $service not started: its image $image is not here" >&2
+  fi
+done < <("$PY" -c '
 import sys, yaml
 services = yaml.safe_load(open(sys.argv[1]))["services"]
-print(" ".join(s.get("image", "") for s in services.values() if "monitoring" in s.get("profiles", [])))' "$MERGED")"
-if [[ -n "$monitoring_images" ]]; then
-  if docker image inspect $monitoring_images >/dev/null 2>&1; then
-    profile_args+=(--profile monitoring)
-  else
-    echo "compose check: monitoring profile not started: its images ($monitoring_images) are not here" >&2
-  fi
-fi
+for name, s in services.items():
+    if "monitoring" in s.get("profiles", []):
+        print(name, s.get("image", ""))' "$MERGED")
 
 report="${REPORT:-$(mktemp /tmp/dspark-compose-check.XXXXXX.json)}"
 set +e
-"$PY" deploy/compose_check.py --project "$PROJECT" --file "$MERGED" "${profile_args[@]}" --report "$report"
+"$PY" deploy/compose_check.py --project "$PROJECT" --file "$MERGED" "${monitoring_args[@]}" --report "$report"
 code=$?
 set -e
 "$PY" - "$report" "$(elapsed "$check_start")" "$prepare_seconds" "$build_seconds" "$image_bytes" "$COLD" <<'PYEOF'

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dspark.paths import REPO_ROOT
+from dspark.serving.tiny_models import TINY_LLAMA
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +42,6 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-TINY_LLAMA = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=True)
 CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

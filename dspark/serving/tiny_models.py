@@ -16,6 +16,10 @@ import torch
 VOCAB = 64
 LAYER_IDS = (0, 2, 3)
 GAMMA = 4
+# The tiny target: a random 4-layer Llama over the VOCAB-token vocabulary.
+TINY_LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=True)
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,7 @@ def build_tiny_models(work: Path, seed: int = 0) -> TinyModels:
 
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True)
+    config = LlamaConfig(**TINY_LLAMA)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # peakier logits, so drafts get accepted now and then
         model.lm_head.weight.mul_(8.0)

@@ -26,7 +26,6 @@ With no drafter (or policy `none`) every round is an ordinary decoding step, sti
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import torch
 from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
+from dspark.held_features import HeldFeatures
 from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.models.kv_cache import KVCacheFull
@@ -272,8 +272,8 @@ class Engine:
         self._ids = itertools.count()
         self.drafting_gate = DraftingGate(config.drafting_gate_config())
         """Decides whether each round drafts (probes, skips, plain checks); see drafting_gate.py."""
-        self._held: set = set()
-        """Requests whose features the verifier holds for the drafter (hold_features)."""
+        self._held = HeldFeatures(self.speculative and config.hold_features)
+        """Requests whose features the verifier holds for the drafter; see held_features.py."""
         self.round_observer: Callable[[RoundRecord], None] | None = None
         """Called once per speculative round (after verification) with its RoundRecord."""
         self._joins_paused = False
@@ -394,7 +394,7 @@ class Engine:
 
     def _prefill_only(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
         """A step with nothing to decode: the forward reads prompt chunks only."""
-        chunks = [self._holding_chunk(c, False) for _, c in planned]
+        chunks = [self._held.chunk(c, False) for _, c in planned]
         start = time.perf_counter()
         out = self.verifier.verify([], chunks)
         self.stats.prefill_seconds += time.perf_counter() - start
@@ -468,10 +468,10 @@ class Engine:
         if plan.mode.drafts and steady and self.config.update_cost_table:
             # Drafting as the round pays for it: the drafter's call and the admission after it.
             self.cost_table.observe_draft(verify_start - draft_start, len(running))
-        holding = self._holds_features(plan, len(drafted_ids), len(running))
-        hold = [holding and r.request_id not in drafted_ids or r.request_id in self._held
-                for r in running]
-        chunks = [self._holding_chunk(chunk, holding) for _, chunk in planned]
+        holding = self._held.round_holds(plan.mode, self.drafting_gate.found_nothing_to_verify,
+                                         len(drafted_ids), len(running))
+        hold = self._held.verify_holds([r.request_id for r in running], drafted_ids, holding)
+        chunks = [self._held.chunk(chunk, holding) for _, chunk in planned]
 
         result = self.verifier.verify(
             [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator,
@@ -520,7 +520,7 @@ class Engine:
         (`steady`: DraftingGate.record_draft)."""
         drafted = running if sample is None else [running[i] for i in sample]
         start = time.perf_counter()
-        self._take_held(drafted)
+        self._held.take([r.request_id for r in drafted], self.verifier, self.drafter)
         num_positions = self._positions_to_draft(gamma)
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
@@ -560,16 +560,6 @@ class Engine:
         planned = self.admitter.planned_capacity()
         return gamma if planned is None else min(gamma, planned + 1)
 
-    def _holds_features(self, plan: RoundPlan, num_drafted: int, num_running: int) -> bool:
-        """Whether this round leaves the features of the requests it does not draft with the
-        verifier: once a probe found nothing to verify (and no round has verified drafts since),
-        a round that skips drafting, or a probe. While drafts are verified, rounds without
-        drafts come between drafting rounds that draft the whole batch, and holding would only
-        add a call to take the features back; a plain check is such a round."""
-        return (self.speculative and self.config.hold_features
-                and plan.mode is not RoundMode.PLAIN_CHECK
-                and self.drafting_gate.found_nothing_to_verify and num_drafted < num_running)
-
     def _record_verify_step(self, result: VerifyOutput, num_running: int,
                             verify_seconds: float) -> None:
         """The verification step's times and tokens into the stats and the cost table."""
@@ -603,23 +593,6 @@ class Engine:
                                             torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
             outputs.append(self._emit(r, tokens, token_logprobs))
         return outputs
-
-    def _holding_chunk(self, chunk: PrefillChunk, holding: bool) -> PrefillChunk:
-        """The chunk, its features held by the verifier in a round that holds features (or when
-        the request's earlier features are held: its context stays in order)."""
-        if holding or chunk.request_id in self._held:
-            return dataclasses.replace(chunk, hold_features=True)
-        return chunk
-
-    def _take_held(self, requests: Sequence[Request]) -> None:
-        """Before drafting: hand the drafter the features the verifier held for these requests."""
-        wanted = [r.request_id for r in requests if r.request_id in self._held]
-        if not wanted:
-            return
-        for rid, pieces in zip(wanted, self.verifier.take_features(wanted)):
-            for piece in pieces:
-                self.drafter.append_context(rid, piece.features, piece.positions, piece.token_ids)
-            self._held.discard(rid)
 
     def _load(self) -> int:
         """Requests in the engine: waiting, reading their prompts or running."""
@@ -670,7 +643,7 @@ class Engine:
         self.drafting_gate.reset_if_idle(self._load())
 
     def _release(self, r: Request) -> None:
-        self._held.discard(r.request_id)
+        self._held.forget(r.request_id)
         self.drafting_gate.forget(r.request_id)
         self.verifier.release(r.request_id)
         if self.speculative:

@@ -266,10 +266,10 @@ class TargetRunner:
                     hidden_parts[piece.item].append(hidden[token:token + piece.end - piece.start])
                 token += piece.end - piece.start
         logit_counts = [sum(p.shape[0] for p in parts) for parts in logits_parts]
-        if len(passes) == 1 and [piece.item for piece in passes[0]] == list(range(len(items))):
-            # one pass, one piece an item, in item order (a decode or verification step): the
-            # pass's rows already are the output, and a copy of a big batch's logits into a
-            # freshly allocated tensor costs more than the LM head's own conversion
+        if len(passes) == 1:
+            # one pass (every decode and verification step): `_plan` lays its pieces out one an
+            # item, in item order, so the pass's rows already are the output; copying a big
+            # batch's logits into a fresh tensor costs more than the LM head's own conversion
             out_logits, out_hidden = logits, hidden
         else:
             out_logits = torch.cat([p for parts in logits_parts for p in parts], dim=0)

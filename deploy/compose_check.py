@@ -15,8 +15,8 @@ deploy/docker-compose.hostnet.yml: every container on the host network, on 127.0
    volume, model file untouched) and answers exactly.
 With --monitoring-service (the monitoring profile's services whose images are here), those are
 started too; Prometheus must scrape the scheduler and answer every PromQL expression of the
-Grafana dashboard (deploy/grafana/dspark.json), with data for the request and token counters
-after the exactness step's traffic.
+Grafana dashboard (deploy/grafana/dspark.json), its request counter holding the exactness
+step's traffic.
 
 Every step prints a line; the measurements go to a JSON report (--report). Exit code 0 only when
 every step held. Needs the repository's Python environment (grpcio, the generated stubs).
@@ -467,8 +467,8 @@ def prometheus_query(expr: str) -> list[dict]:
 
 
 def check_dashboard_queries(report: dict) -> None:
-    """Prometheus scrapes the scheduler, and every dashboard expression evaluates; the request
-    and output-token counters hold the traffic sent so far (after the next scrape)."""
+    """Prometheus scrapes the scheduler (its finished-request counter holds the traffic sent so
+    far, after the next scrape), and every dashboard expression evaluates."""
     deadline = time.monotonic() + PROMETHEUS_TIMEOUT_SECONDS
     while True:
         up = prometheus_query('up{job="dspark-scheduler"}')

@@ -16,8 +16,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
-# gRPC stubs from protos/ (gitignored; dspark/serving/protos.py also regenerates stale ones).
-.venv/bin/python -m dspark.serving.protos >/dev/null
 # Build the paged-attention CPU kernel now (about a minute, cached in ~/.cache/torch_extensions),
 # so that the first runner a service or test starts does not pay for it; without a compiler the
 # runner uses per-request SDPA instead.

@@ -11,6 +11,10 @@ import pytest
 from dspark.paths import REPO_ROOT
 from dspark.serving.tiny_models import TINY_LLAMA
 
+# The tiny stack's service processes (tiny_models, launcher, shared_verifier), for tests/serving/
+# and tests/services/ alike; pytest reads pytest_plugins only from this top-level conftest.
+pytest_plugins = ["tests.stack_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:

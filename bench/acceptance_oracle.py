@@ -35,6 +35,7 @@ import torch
 from dspark.calibration import ece_noise_floor, expected_calibration_error, roc_auc
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig, RoundRecord
+from dspark.paths import EVAL_PROMPTS_DIR
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits
 from dspark.verifier import TargetVerifier
 
@@ -135,7 +136,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=Path, default=REPO / "checkpoints" / "dspark-markov")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="the target's folder (default: dspark fetch-model's)")
-    parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "data" / "eval")
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
     parser.add_argument("--datasets", default="gsm8k,math500,humaneval,mt-bench")
     parser.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -32,6 +32,7 @@ from acceptance_oracle import REPO, CapturingDrafter, CapturingRunner
 from dspark.calibration import roc_auc
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig, RoundRecord
+from dspark.paths import EVAL_PROMPTS_DIR
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits
 from dspark.verifier import TargetVerifier
 
@@ -122,7 +123,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=Path, default=REPO / "checkpoints" / "dspark-markov")
     parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "smollm2_answers.jsonl.gz")
-    parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "data" / "eval")
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
     parser.add_argument("--datasets", default="gsm8k,math500,humaneval,mt-bench")
     parser.add_argument("--heldout-limit", type=int, default=None, help="held-out prompts (all)")
     parser.add_argument("--eval-limit", type=int, default=10, help="prompts per eval set")

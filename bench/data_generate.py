@@ -28,13 +28,14 @@ from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.runner import RunnerConfig, TargetRunner  # noqa: E402
 from dspark.models.transformer import AttentionImpl  # noqa: E402
 from dspark.sampling import SamplingParams  # noqa: E402
-from dspark.training.data import default_train_dir, encode_chat, generate_answers, select_prompts  # noqa: E402
+from dspark.paths import TRAIN_PROMPTS_DIR  # noqa: E402
+from dspark.training.data import encode_chat, generate_answers, select_prompts  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
-    parser.add_argument("--train-dir", type=Path, default=None)
+    parser.add_argument("--train-dir", type=Path, default=TRAIN_PROMPTS_DIR)
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -47,7 +48,7 @@ def main() -> int:
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = select_prompts(args.train_dir or default_train_dir(), args.prompts, seed=0)
+    prompts = select_prompts(args.train_dir, args.prompts, seed=0)
     encoded = [(p.id, encode_chat(tokenizer, p.text)) for p in prompts]
     eos = {tokenizer.eos_token_id}
     kv_tokens = args.batch_size * (max(len(ids) for _, ids in encoded) + args.max_new_tokens + 16)

@@ -21,12 +21,13 @@ import torch
 from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from target_decode import EVAL_DIR, chat_prompts  # noqa: E402
+from target_decode import chat_prompts  # noqa: E402
 
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.paged_attention import PROFILER_LABEL  # noqa: E402
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner  # noqa: E402
 from dspark.models.transformer import AttentionImpl  # noqa: E402
+from dspark.paths import EVAL_PROMPTS_DIR  # noqa: E402
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
 ATTENTION_OPS = (PROFILER_LABEL, "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -41,7 +42,7 @@ def decode_step(runner: TargetRunner, ids: list, tokens: list[int]) -> list[int]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
-    parser.add_argument("--eval-dir", type=Path, default=EVAL_DIR, help="prompts: the first turns of *.jsonl")
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR, help="prompts: the first turns of *.jsonl")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 from dspark.evaluation.methods import parse_methods
+from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
-EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 SETS = ("gsm8k", "math500", "humaneval", "mt-bench")
 
 
@@ -61,7 +61,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints"))
     parser.add_argument("--methods", default="dspark,dflash,eagle,mtp1")
-    parser.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
     parser.add_argument("--sets", default=",".join(SETS))
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -73,8 +73,8 @@ def main() -> int:
                         help="the target's folder (default: dspark fetch-model's)")
     args = parser.parse_args()
 
-    per_set = {name: run_eval(args.eval_dir / f"{name}.jsonl", args)
-               for name in args.sets.split(",")}
+    eval_dir = require_folder(args.eval_dir, "eval prompts")
+    per_set = {name: run_eval(eval_dir / f"{name}.jsonl", args) for name in args.sets.split(",")}
     # canonical names (dspark-markov -> dspark), as the JSON of `dspark eval` keys them
     requested = parse_methods(args.methods)
     methods = [m for m in requested if all(m in r for r in per_set.values())]

@@ -37,15 +37,14 @@ import torch
 from dspark.fetch import ensure_model
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner, generate_greedy
 from dspark.models.transformer import AttentionImpl
+from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
-EVAL_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "eval"
 
-
-def chat_prompts(tokenizer, count: int, eval_dir: Path = EVAL_DIR) -> list[list[int]]:
+def chat_prompts(tokenizer, count: int, eval_dir: Path = EVAL_PROMPTS_DIR) -> list[list[int]]:
     """First turns of the eval files, round-robin over files (repeating them past their size), as
     chat-templated token ids."""
     per_file = [[json.loads(line)["turns"][0] for line in f.read_text().splitlines() if line.strip()]
-                for f in sorted(Path(eval_dir).glob("*.jsonl"))]
+                for f in sorted(require_folder(eval_dir, "eval prompts").glob("*.jsonl"))]
     texts = [rows[i % len(rows)] for i in range(count) for rows in per_file][:count]
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                                add_generation_prompt=True, tokenize=True,
@@ -122,7 +121,7 @@ def phases(runner: TargetRunner, prompts: list[list[int]], decode_steps: int,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
-    parser.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1)

@@ -59,12 +59,11 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import torch
 
 from dspark.cost_table import ThetaObjective
-from dspark.paths import REPO_ROOT
+from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
 if TYPE_CHECKING:
     from dspark.engine import Engine
 
-DEFAULT_EVAL_DIR = REPO_ROOT / ".." / "shared" / "data" / "eval"
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 # Speed goals: DSpark over target-only, greedy, macro-average, by number of concurrent streams.
 GOALS = {1: 2.0, 8: 1.5}
@@ -381,8 +380,9 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     count = max(prompts_needed(args.limit, c) for c in concurrencies)
     prompts = {}
+    eval_dir = require_folder(args.eval_dir, "eval prompts")
     for name in args.datasets:
-        texts = read_eval_prompts(Path(args.eval_dir) / f"{name}.jsonl", count)
+        texts = read_eval_prompts(eval_dir / f"{name}.jsonl", count)
         prompts[name] = [encode_chat(tokenizer, t) for t in texts]
 
     status, notes, folders = {}, {}, {}
@@ -617,7 +617,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "else the repository's)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="target model folder (default: the prepared SmolLM2)")
-    parser.add_argument("--eval-dir", type=Path, default=DEFAULT_EVAL_DIR,
+    parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR,
                         help="folder of the eval prompt files (<dataset>.jsonl)")
     parser.add_argument("--datasets", default=",".join(DEFAULT_DATASETS),
                         help="comma-separated eval file names without .jsonl")

@@ -12,8 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 renice -n 10 $$ >/dev/null
 export OMP_NUM_THREADS=1
+SHARED=${DSPARK_SHARED_DIR:-../shared}  # as dspark.paths.SHARED_DIR
 EXCLUDE=(--exclude data/smollm2_answers.jsonl.gz --exclude data/smollm2_answers_t1.jsonl.gz
-         --exclude ../shared/data/answers/smollm2_greedy_fp32.jsonl.gz)
+         --exclude "$SHARED/data/answers/smollm2_greedy_fp32.jsonl.gz")
 COMMON=(--max-new-tokens 256 --batch-size 128 --dtype "${DTYPE:-bfloat16}" --threads 1)
 .venv/bin/dspark data generate --out data/answers/greedy.jsonl.gz --num-prompts 12500 "${COMMON[@]}" --temperature 0 \
   --seed 11 "${EXCLUDE[@]}" --exclude data/answers/t1.jsonl.gz

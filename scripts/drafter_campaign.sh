@@ -28,7 +28,8 @@ mkdir -p "$CAMPAIGN"
 for name in greedy t1; do
   [ -f "$CAMPAIGN/${name}_answers.jsonl.gz" ] || cp "data/answers/$name.jsonl.gz" "$CAMPAIGN/${name}_answers.jsonl.gz"
 done
-DATA=../shared/data/answers/smollm2_greedy_fp32.jsonl.gz,data/smollm2_answers_t1.jsonl.gz,data/smollm2_answers.jsonl.gz
+SHARED=${DSPARK_SHARED_DIR:-../shared}  # as dspark.paths.SHARED_DIR
+DATA=$SHARED/data/answers/smollm2_greedy_fp32.jsonl.gz,data/smollm2_answers_t1.jsonl.gz,data/smollm2_answers.jsonl.gz
 DATA=$DATA,$CAMPAIGN/greedy_answers.jsonl.gz,$CAMPAIGN/t1_answers.jsonl.gz
 last=$(ls checkpoints/dspark-markov | sed -n 's/^train_log_phase\([0-9]*\)\.jsonl$/\1/p' | sort -n | tail -1)
 SEED=${SEED:-$(( ${last:-0} + 2 ))}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.paths import REPO_ROOT
+from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 from dspark.serving.tiny_models import TINY_LLAMA
 
 # The tiny stack's service processes (tiny_models, launcher, shared_verifier), for tests/serving/
@@ -26,11 +26,9 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def eval_dir() -> Path:
-    """../shared/data/eval beside the repository (CI clones the repo with shared/ next to it)."""
-    path = (REPO_ROOT / ".." / "shared" / "data" / "eval").resolve()
-    if not path.is_dir():
-        raise FileNotFoundError(f"eval prompts not found at {path}")
-    return path
+    """The shared eval sets: `$DSPARK_SHARED_DIR/data/eval`, else `../shared/data/eval` beside the
+    repository (CI clones the repository with shared/ next to it)."""
+    return require_folder(EVAL_PROMPTS_DIR, "eval prompts")
 
 
 @pytest.fixture(autouse=True)

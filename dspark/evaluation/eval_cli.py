@@ -43,7 +43,7 @@ def default_checkpoints() -> Path:
 
 
 def read_eval_prompts(path: Path, limit: int | None = None) -> list[str]:
-    """First user turn of each `{"turns": [...]}` line (eval files of ../shared/data/eval/)."""
+    """First user turn of each `{"turns": [...]}` line (an eval set of paths.EVAL_PROMPTS_DIR)."""
     prompts = []
     with open(path, encoding="utf-8") as f:  # not splitlines(): prompts may hold U+2028
         for line in f:

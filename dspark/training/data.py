@@ -5,10 +5,10 @@ sampled with the chat template at temperature 0.7, top-p 0.8, top-k 20 through o
 many prompts at once in one flattened batch (continuous batching: a finished answer's slot is
 refilled at the next step).
 
-Prompts come from `../shared/data/train/` (math, code, chat), mixed per source with caps so the
-short one-liner sources (nl2bash, nq_open) do not dominate; math prompts get the eval sets'
-"reason step by step" suffix and code prompts the HumanEval prefix, so answers come in the style
-the eval prompts ask for. The evaluation prompts are never used here.
+Prompts come from the shared `data/train/` (`dspark.paths.TRAIN_PROMPTS_DIR`: math, code, chat),
+mixed per source with caps so the short one-liner sources (nl2bash, nq_open) do not dominate; math
+prompts get the eval sets' "reason step by step" suffix and code prompts the HumanEval prefix, so
+answers come in the style the eval prompts ask for. The evaluation prompts are never used here.
 
 On a GPU our runner's per-request attention loop is launch-bound, so `--engine transformers`
 answers with transformers' batched `generate` instead (left-padded batches of similar prompt
@@ -37,6 +37,7 @@ from typing import Iterator
 
 import torch
 
+from dspark.paths import TRAIN_PROMPTS_DIR, require_folder
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -115,9 +116,10 @@ def styled(domain: str, source: str, text: str) -> str:
 
 def select_prompts(train_dir: Path, num_prompts: int, seed: int) -> list[Prompt]:
     """A seeded mix of the training prompts following SOURCE_WEIGHTS (sources without a weight
-    are skipped; a source with too few prompts gives what it has)."""
+    are skipped; a source with too few prompts gives what it has). FileNotFoundError, naming the
+    folder, when `train_dir` is not one."""
     by_source: dict[str, list[Prompt]] = {}
-    for path in sorted(Path(train_dir).glob("*.jsonl")):
+    for path in sorted(require_folder(train_dir, "training prompts").glob("*.jsonl")):
         with open(path, encoding="utf-8") as f:  # not splitlines(): prompts hold U+2028
             rows = [json.loads(line) for line in f if line.strip()]
         for row in rows:
@@ -346,18 +348,13 @@ def summarize(path: Path) -> dict:
     return stats
 
 
-def default_train_dir() -> Path:
-    """`../shared/data/train` beside the repository root."""
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "train"
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["generate", "stats"],
                         help="generate: answer prompts with the target; stats: count a data file")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="target model folder (default: the prepared SmolLM2)")
-    parser.add_argument("--train-dir", type=Path, default=None,
-                        help="training prompts folder (default: ../shared/data/train)")
+    parser.add_argument("--train-dir", type=Path, default=TRAIN_PROMPTS_DIR,
+                        help="training prompts folder (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("data/smollm2_answers.jsonl.gz"))
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -391,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if model_dir is None:
         from dspark.fetch import ensure_model
         model_dir = ensure_model()
-    config = DataGenConfig(model_dir=Path(model_dir), train_dir=args.train_dir or default_train_dir(),
+    config = DataGenConfig(model_dir=Path(model_dir), train_dir=args.train_dir,
                            out=args.out, num_prompts=args.num_prompts,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                            heldout_fraction=args.heldout_fraction, seed=args.seed, dtype=args.dtype,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.paths import EVAL_PROMPTS_DIR, require_folder
+# REPO_ROOT also for the test modules that import it from here (`from .conftest import REPO_ROOT`).
+from dspark.paths import EVAL_PROMPTS_DIR, REPO_ROOT, require_folder  # noqa: F401
 from dspark.serving.tiny_models import TINY_LLAMA
 
 # The tiny stack's service processes (tiny_models, launcher, shared_verifier), for tests/serving/

@@ -31,8 +31,8 @@ TRAIN_PROMPTS_DIR = SHARED_DIR / "data" / "train"
 
 
 def require_folder(path: Path, what: str) -> Path:
-    """`path` when it is a folder; else FileNotFoundError naming it and where the default comes
-    from, so that a checkout without `../shared` beside it says how to point at the data."""
+    """`path` when it is a folder; else FileNotFoundError naming it, the shared folder and
+    DSPARK_SHARED_DIR, so that a checkout without `../shared` beside it says how to find the data."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(

@@ -31,9 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+# Run by path: this checkout's packages come first on sys.path, before dspark (and so
+# dspark.paths.REPO_ROOT) can be imported, hence its own path here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dspark.paths import REPO_ROOT  # noqa: E402
 from loadtest.prometheus import (SpeculationDelta, counter_values, round_count,  # noqa: E402
                                  stage_seconds)
 from loadtest.results import LevelResult, write_csv  # noqa: E402

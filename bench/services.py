@@ -42,9 +42,11 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+# Run by path: this checkout's packages come first on sys.path, before dspark (and so
+# dspark.paths.REPO_ROOT) can be imported, hence its own path here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dspark.paths import REPO_ROOT  # noqa: E402
 from dspark.serving.local_stack import ServiceProcess, free_port, wait_grpc, wait_http  # noqa: E402
 
 GOAL_RATIO_AT_16 = 0.8
@@ -302,14 +304,13 @@ def main() -> int:
         models = {"target": tiny.target_dir, "drafter": tiny.drafter_dir}
         table_path = tiny.cost_table
     else:
+        from dspark.drafter_choice import drafter_dir_or_shipped
         from dspark.loading import load_target
         from dspark.fetch import ensure_model
-        from dspark.paths import DEFAULT_DRAFTER
         from dspark.step_timing import startup_cost_table
 
         target = Path(args.model_dir) if args.model_dir else ensure_model()
-        drafter = args.drafter_dir or (str(DEFAULT_DRAFTER) if DEFAULT_DRAFTER.is_dir() else "")
-        models = {"target": target, "drafter": None if drafter in ("", "none") else Path(drafter)}
+        models = {"target": target, "drafter": drafter_dir_or_shipped(args.drafter_dir)}
         table_path = work / "cost_table.json"
         startup_cost_table(load_target(target, (), kv_cache_tokens=4096, dtype=args.dtype)).save(
             table_path)

@@ -39,10 +39,11 @@ from pathlib import Path
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+# Run by path: the checkout goes on sys.path before dspark can be imported, hence its own path.
+if (_checkout := str(Path(__file__).resolve().parents[1])) not in sys.path:
+    sys.path.insert(0, _checkout)
 
+from dspark.paths import REPO_ROOT  # noqa: E402
 from dspark.serving.grpc_runtime import channel  # noqa: E402
 from dspark.serving.protos import pb, rpc  # noqa: E402
 

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from dspark.fetch import ensure_model
-from dspark.generate import build_engine
+from dspark.loading import build_engine
 from dspark.stop_tokens import stop_token_ids
 from dspark.sampling import SamplingParams
 

@@ -52,10 +52,12 @@ from pathlib import Path
 
 from ray import serve
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `python deploy/ray_serve.py` from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
+# `python deploy/ray_serve.py` from anywhere: the checkout goes on sys.path before dspark (and so
+# dspark.paths.REPO_ROOT) can be imported, hence its own path here.
+if (_checkout := str(Path(__file__).resolve().parents[1])) not in sys.path:
+    sys.path.insert(0, _checkout)
 
+from dspark.drafter_choice import NONE, parse_drafter_dir  # noqa: E402
 from dspark.serving.config import (  # noqa: E402
     DrafterServiceConfig,
     SchedulerConfig,
@@ -136,10 +138,10 @@ class RayServeConfig:
         """The three services' configs of one cell; ports 0 = any free one on loopback (the
         scheduler's verifier and drafter addresses are filled in by its replica).
         `internal_token`: what the verifier and the drafter demand and the scheduler sends."""
-        drafter_dir = "" if self.drafter_dir == "none" else self.drafter_dir
+        drafter_dir = self.drafter_dir if self.with_drafter else ""
         verifier = VerifierServiceConfig(
             host="127.0.0.1", port=0, model_dir=self.model_dir, drafter_dir=drafter_dir,
-            hidden_layer_ids="none" if self.drafter_dir == "none" else "", dtype=self.dtype,
+            hidden_layer_ids="" if self.with_drafter else NONE, dtype=self.dtype,
             device="cuda" if verifier_gpus > 0 else "cpu", kv_cache_tokens=self.kv_cache_tokens,
             max_context_tokens=self.max_context_tokens, cost_table=self.cost_table,
             threads=self.threads, internal_token=internal_token)
@@ -157,7 +159,9 @@ class RayServeConfig:
 
     @property
     def with_drafter(self) -> bool:
-        return self.drafter_dir != "none"
+        """False for drafter_dir `none`; empty leaves each verifier and drafter its default (the
+        shipped checkpoint), found on its own node."""
+        return not self.drafter_dir or parse_drafter_dir(self.drafter_dir) is not None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -114,6 +114,13 @@ class AdmissionPolicy:
             raise ValueError(f"policy {name} takes no argument, got {text!r}")
         return cls(kind)
 
+    @property
+    def drafts(self) -> bool:
+        """Whether the policy runs with a drafter: False for ``none`` only, which decodes with the
+        target alone, so no drafter is loaded or started (``fixed:0`` keeps one, though it
+        verifies none of its drafts)."""
+        return self.kind is not PolicyKind.NONE
+
     def __str__(self) -> str:
         if self.kind is PolicyKind.FIXED:
             return f"fixed:{self.fixed_length}"

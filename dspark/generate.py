@@ -17,46 +17,14 @@ from pathlib import Path
 import torch
 
 from dspark.admission import AdmissionPolicy
-from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.drafter_choice import drafter_dir_or_shipped
 from dspark.paths import DEFAULT_DRAFTER
 from dspark.sampling import SamplingParams
-from dspark.step_timing import startup_cost_table
 from dspark.stop_tokens import stop_token_ids
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
-                 cost_table_path: Path | None, max_running: int = 16,
-                 sparse_top_k: int | None = None, device: str = "cpu"):
-    """The embedded engine with the target (and drafter when given); returns (engine, tokenizer)."""
-    from transformers import AutoTokenizer
-
-    from dspark.loading import load_method_drafter, load_target
-    from dspark.models.drafter_config import DrafterConfig
-    from dspark.verifier import TargetVerifier
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    parsed = AdmissionPolicy.parse(policy)
-    use_drafter = drafter_dir is not None and str(parsed) != "none"
-    layer_ids = tuple(DrafterConfig.load(drafter_dir).target_layer_ids) if use_drafter else ()
-    runner = load_target(model_dir, layer_ids, kv_cache_tokens=max_running * 4096, device=device,
-                         dtype=dtype)
-    drafter = (load_method_drafter(drafter_dir, runner, apply_calibration=True)
-               if use_drafter else None)
-    if cost_table_path is not None and Path(cost_table_path).exists():
-        table = CostTable.load(cost_table_path)
-    else:
-        table = startup_cost_table(runner)
-        if cost_table_path is not None:
-            Path(cost_table_path).parent.mkdir(parents=True, exist_ok=True)
-            table.save(cost_table_path)
-    engine = Engine(TargetVerifier(runner), drafter, table,
-                    EngineConfig(policy=parsed, max_running=max_running, sparse_top_k=sparse_top_k))
-    return engine, tokenizer
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="target folder (default: the prepared SmolLM2)")
     parser.add_argument("--drafter", type=Path, default=None,
-                        help=f"drafter checkpoint folder (default: {DEFAULT_DRAFTER} if present)")
+                        help=f"drafter checkpoint folder (default: {DEFAULT_DRAFTER} if present; "
+                             "none = target only)")
     parser.add_argument("--cost-table", type=Path, default=None,
                         help="SPS(B) table JSON (default: measured at start-up, cached in DSPARK_HOME)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -84,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed)
-        AdmissionPolicy.parse(args.policy)
+        policy = AdmissionPolicy.parse(args.policy)
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     except ValueError as e:
@@ -93,12 +62,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from dspark.fetch import dspark_home, ensure_model
+    from dspark.loading import build_engine
 
     model_dir = args.model_dir or ensure_model()
-    drafter_dir = args.drafter
-    if drafter_dir is None and DEFAULT_DRAFTER.is_dir():
-        drafter_dir = DEFAULT_DRAFTER
-    if drafter_dir is None and args.policy != "none":
+    drafter_dir = drafter_dir_or_shipped(args.drafter)
+    if args.drafter is None and drafter_dir is None and policy.drafts:
         log(f"no drafter checkpoint (looked for {DEFAULT_DRAFTER}): decoding with the target only")
     cost_table = args.cost_table or (dspark_home() / f"cost_table_{Path(model_dir).name}_{args.dtype}.json")
     engine, tokenizer = build_engine(Path(model_dir), drafter_dir, args.policy, args.dtype, cost_table)

@@ -1,5 +1,5 @@
-"""Build the target runner and a drafter from checkpoint folders (the CLI, the services, the
-evaluation and the benchmarks all load through here).
+"""Build the target runner and a drafter from checkpoint folders, and the embedded engine over
+them (the CLI, the services, the evaluation and the benchmarks all load through here).
 
 Glossary
 - checkpoints folder: one subfolder per trained drafter (`dspark-markov`, `dspark-rnn`, `dflash`,
@@ -16,10 +16,15 @@ from pathlib import Path
 
 import torch
 
+from dspark.admission import AdmissionPolicy
 from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
+from dspark.cost_table import CostTable
+from dspark.engine import Engine, EngineConfig
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import AnyDrafter, load_drafter
 from dspark.models.runner import RunnerConfig, TargetRunner
+from dspark.step_timing import startup_cost_table
+from dspark.verifier import TargetVerifier
 
 
 def is_checkpoint(folder: Path) -> bool:
@@ -89,3 +94,32 @@ def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
             drafter.set_confidence_calibration(calibration)
     drafter.pack_for_inference()  # float32 on a CPU: oneDNN-packed products (no-op elsewhere)
     return drafter
+
+
+def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
+                 cost_table_path: Path | None, max_running: int = 16,
+                 sparse_top_k: int | None = None, device: str = "cpu"):
+    """The embedded engine over the target in `model_dir` and the drafter in `drafter_dir` (none
+    when it is None or the policy is `none`); returns (engine, tokenizer). The cost table SPS(B)
+    is read from `cost_table_path` when that file exists, else measured now (and saved there
+    when a path is given)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    parsed = AdmissionPolicy.parse(policy)
+    use_drafter = drafter_dir is not None and parsed.drafts
+    layer_ids = tuple(DrafterConfig.load(drafter_dir).target_layer_ids) if use_drafter else ()
+    runner = load_target(model_dir, layer_ids, kv_cache_tokens=max_running * 4096, device=device,
+                         dtype=dtype)
+    drafter = (load_method_drafter(drafter_dir, runner, apply_calibration=True)
+               if use_drafter else None)
+    if cost_table_path is not None and Path(cost_table_path).exists():
+        table = CostTable.load(cost_table_path)
+    else:
+        table = startup_cost_table(runner)
+        if cost_table_path is not None:
+            Path(cost_table_path).parent.mkdir(parents=True, exist_ok=True)
+            table.save(cost_table_path)
+    engine = Engine(TargetVerifier(runner), drafter, table,
+                    EngineConfig(policy=parsed, max_running=max_running, sparse_top_k=sparse_top_k))
+    return engine, tokenizer

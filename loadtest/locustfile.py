@@ -41,9 +41,10 @@ from urllib.parse import urlparse  # noqa: E402
 
 from locust import HttpUser, User, constant, events, task  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+# Locust loads this file by path: the checkout goes on sys.path before loadtest (or dspark, and so
+# dspark.paths.REPO_ROOT) can be imported, hence its own path here.
+if (_checkout := str(Path(__file__).resolve().parents[1])) not in sys.path:
+    sys.path.insert(0, _checkout)
 
 from loadtest.prompts import DEFAULT_EVAL_DIR, load_first_turns  # noqa: E402
 from loadtest.timing import ResponseRecord, RunSummary, StreamTiming  # noqa: E402

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from dspark.paths import REPO_ROOT
+
 DEFAULT_EVAL_DIR = REPO_ROOT.parent / "shared" / "data" / "eval"
 
 

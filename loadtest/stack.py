@@ -13,6 +13,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark.admission import AdmissionPolicy
+from dspark.drafter_choice import parse_drafter_dir
 from dspark.serving.local_stack import ServiceProcess, free_port, wait_grpc, wait_http
 
 
@@ -92,7 +94,8 @@ def start_stack(models: ModelChoice, policy: str, log_dir: Path,
     log_dir.mkdir(parents=True, exist_ok=True)
     trace = [] if trace_file is None else ["--trace-exporter", "file", "--trace-file",
                                            str(trace_file)]
-    use_drafter = policy != "none" and models.drafter_dir not in ("", "none")
+    use_drafter = (AdmissionPolicy.parse(policy).drafts
+                   and parse_drafter_dir(models.drafter_dir) is not None)
     common = ["--dtype", models.dtype, "--device", models.device]
     model = ["--model-dir", models.model_dir] if models.model_dir else []
     verifier_port, drafter_port = free_port(), free_port()

@@ -29,10 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `dspark loadtest` runs from the installed console script
-    sys.path.insert(0, str(REPO_ROOT))
+# `python loadtest/sweep.py`: the checkout goes on sys.path before dspark (and so
+# dspark.paths.REPO_ROOT) can be imported, hence its own path here.
+if (_checkout := str(Path(__file__).resolve().parents[1])) not in sys.path:
+    sys.path.insert(0, _checkout)
 
+from dspark.paths import REPO_ROOT  # noqa: E402
 from loadtest.prometheus import SpeculationDelta, counter_values, stage_seconds  # noqa: E402
 from loadtest.results import LevelResult, matched_speeds, sla_table, write_csv  # noqa: E402
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from dspark.drafter_choice import parse_hidden_layer_ids
+
 if TYPE_CHECKING:
     from dspark.engine import EngineConfig
 
@@ -125,6 +127,7 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
             raise ValueError("idle_expiry_seconds must be >= 0")
         if self.kv_cache_tokens < 1 or self.max_context_tokens < 2 or self.threads < 1:
             raise ValueError("kv_cache_tokens, threads must be >= 1, max_context_tokens >= 2")
+        parse_hidden_layer_ids(self.hidden_layer_ids)
         self._check_tracing()
 
 

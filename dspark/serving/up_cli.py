@@ -56,24 +56,26 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
     def secret_env(service: str) -> dict[str, str]:
         return {f"DSPARK_{service}_INTERNAL_TOKEN": internal_token} if internal_token else {}
 
-    from dspark.paths import DEFAULT_DRAFTER
+    from dspark.admission import AdmissionPolicy
+    from dspark.drafter_choice import drafter_dir_or_shipped
 
-    drafter_dir = args.drafter_dir or (str(DEFAULT_DRAFTER) if DEFAULT_DRAFTER.is_dir() else "")
-    use_drafter = drafter_dir not in ("", "none") and args.policy != "none"
+    drafter_dir = drafter_dir_or_shipped(args.drafter_dir)
+    use_drafter = drafter_dir is not None and AdmissionPolicy.parse(args.policy).drafts
     common = ["--dtype", args.dtype, "--device", args.device]
     model = ["--model-dir", args.model_dir] if args.model_dir else []
     verifier = ["services.verifier", "--port", str(args.verifier_port), *model, *common,
                 "--hidden-layer-ids", "" if use_drafter else "none"]
     if use_drafter:
-        verifier += ["--drafter-dir", drafter_dir]
+        verifier += ["--drafter-dir", str(drafter_dir)]
     if args.cost_table:
         verifier += ["--cost-table", args.cost_table]
     out = [(ServiceProcess("verifier", verifier, log_dir, env=secret_env("VERIFIER")),
             f"127.0.0.1:{args.verifier_port}")]
     if use_drafter:
         out.append((ServiceProcess("drafter", [
-            "services.drafter", "--port", str(args.drafter_port), "--drafter-dir", drafter_dir,
-            *model, *common], log_dir, env=secret_env("DRAFTER")),
+            "services.drafter", "--port", str(args.drafter_port),
+            "--drafter-dir", str(drafter_dir), *model, *common], log_dir,
+            env=secret_env("DRAFTER")),
             f"127.0.0.1:{args.drafter_port}"))
     scheduler = ["services.scheduler", "--host", args.host, "--http-port", str(args.port),
                  "--grpc-port", str(args.grpc_port), "--verifier", f"127.0.0.1:{args.verifier_port}",
@@ -88,6 +90,13 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark.admission import AdmissionPolicy
+
+    try:
+        AdmissionPolicy.parse(args.policy)
+    except ValueError as e:  # before any service starts (the scheduler would refuse it too)
+        print(f"dspark up: {e}", file=sys.stderr)
+        return 1
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dspark-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()

@@ -16,16 +16,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def hidden_layers(config: VerifierServiceConfig) -> tuple[int, ...]:
-    """Explicit --hidden-layer-ids, else the drafter checkpoint's target_layer_ids, else none."""
-    from dspark.paths import DEFAULT_DRAFTER
+    """Explicit --hidden-layer-ids (`none`: no layers), else the drafter checkpoint's
+    target_layer_ids, else none."""
+    from dspark.drafter_choice import drafter_dir_or_shipped, parse_hidden_layer_ids
     from dspark.models.drafter_config import DrafterConfig
 
-    if config.hidden_layer_ids == "none":
-        return ()
-    if config.hidden_layer_ids:
-        return tuple(int(x) for x in config.hidden_layer_ids.split(","))
-    drafter_dir = Path(config.drafter_dir) if config.drafter_dir else DEFAULT_DRAFTER
-    if drafter_dir.is_dir():
+    explicit = parse_hidden_layer_ids(config.hidden_layer_ids)
+    if explicit is not None:
+        return explicit
+    drafter_dir = drafter_dir_or_shipped(config.drafter_dir)
+    if drafter_dir is not None and drafter_dir.is_dir():
         return tuple(DrafterConfig.load(drafter_dir).target_layer_ids)
     return ()
 

@@ -1,9 +1,9 @@
-"""`loadtest/` is a folder of the repository, not an installed package: make it importable
-however pytest is started (the services and dspark packages are installed, it is not)."""
+"""Put the checkout on sys.path, so `loadtest/` (a folder of the repository) imports from it
+however pytest is started."""
 
 import sys
-from pathlib import Path
 
-REPO_ROOT = str(Path(__file__).resolve().parents[2])
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+from dspark.paths import REPO_ROOT
+
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))

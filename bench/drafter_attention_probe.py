@@ -25,7 +25,8 @@ from dspark.fetch import ensure_model
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import load_drafter
 from dspark.training.batches import block_labels, sample_anchors
-from dspark.training.trainer import Method, TrainConfig, Trainer
+from dspark.methods import DrafterKind
+from dspark.training.trainer import TrainConfig, Trainer
 
 
 def attention_recorder(records: list[torch.Tensor]):
@@ -53,7 +54,7 @@ def main() -> int:
     dcfg = DrafterConfig.load(args.checkpoint)
     gamma = dcfg.block_size
     cfg = TrainConfig(data_path=args.data, target_dir=str(args.model_dir or ensure_model()), out_dir=tempfile.mkdtemp(),
-                      method=Method.MARKOV, num_layers=dcfg.num_hidden_layers, gamma=gamma,
+                      method=DrafterKind.MARKOV, num_layers=dcfg.num_hidden_layers, gamma=gamma,
                       markov_rank=dcfg.markov_rank, draft_vocab_size=dcfg.draft_vocab_size,
                       target_layer_ids=list(dcfg.target_layer_ids), split="heldout",
                       steps=1, batch_size=2, num_anchors=8, teacher_cache=False)

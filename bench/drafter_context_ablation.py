@@ -24,7 +24,8 @@ import torch
 from dspark.fetch import ensure_model
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import load_drafter
-from dspark.training.trainer import Method, TrainConfig, Trainer
+from dspark.methods import DrafterKind
+from dspark.training.trainer import TrainConfig, Trainer
 
 
 def main() -> int:
@@ -39,7 +40,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     dcfg = DrafterConfig.load(args.checkpoint)
     cfg = TrainConfig(data_path=args.data, target_dir=str(args.model_dir or ensure_model()), out_dir=tempfile.mkdtemp(),
-                      method=Method(dcfg.markov_head_type.value), num_layers=dcfg.num_hidden_layers,
+                      method=DrafterKind(dcfg.markov_head_type.value), num_layers=dcfg.num_hidden_layers,
                       gamma=dcfg.block_size, markov_rank=dcfg.markov_rank,
                       draft_vocab_size=dcfg.draft_vocab_size,
                       target_layer_ids=list(dcfg.target_layer_ids), split=args.split,

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dspark.evaluation.methods import parse_methods
+from dspark.methods import parse_methods
 from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
 SETS = ("gsm8k", "math500", "humaneval", "mt-bench")

@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from target_decode import cpu_description  # noqa: E402
 
 from dspark.fetch import ensure_model  # noqa: E402
-from dspark.training.trainer import Method, TrainConfig, Trainer  # noqa: E402
+from dspark.methods import DrafterKind  # noqa: E402
+from dspark.training.trainer import TrainConfig, Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SETUPS = {
@@ -56,7 +57,7 @@ def make_config(setup: dict, args: argparse.Namespace, target: str, out: str) ->
     init_layers = [int(i) for i in args.init_layers.split(",")]
     target_layers = [int(i) for i in args.target_layers.split(",")] if args.target_layers else None
     return TrainConfig(
-        data_path=args.data, target_dir=target, out_dir=out, method=Method.MARKOV,
+        data_path=args.data, target_dir=target, out_dir=out, method=DrafterKind.MARKOV,
         num_layers=len(init_layers), target_layer_ids=target_layers, gamma=7, markov_rank=64,
         draft_vocab_size=args.draft_vocab, init_layers_from=init_layers, markov_init="zero",
         inject_last_context=True, output_norm_lr_scale=30.0, steps=10_000, lr=1e-3,

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import torch
 
 from dspark.cost_table import ThetaObjective
+from dspark.methods import checkpoint_folder, parse_names
 from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class RowSpec:
     label: str
     kind: RowKind
     method: str | None = None
-    """`dspark.evaluation.methods.METHODS` key naming the drafter's checkpoint folder."""
+    """`dspark.methods.METHODS` key naming the drafter's checkpoint folder."""
     policy: str = "none"
     """Admission policy of engine rows."""
     objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
@@ -124,17 +125,7 @@ ROW_ALIASES = {"none": "target", "target-only": "target", "mtp-1": "mtp1", "hf":
 
 def parse_rows(text: str) -> list[str]:
     """Comma-separated row names (aliases allowed) -> canonical names in table order."""
-    chosen = set()
-    for raw in text.split(","):
-        raw = raw.strip().lower()
-        if not raw:
-            continue
-        name = ROW_ALIASES.get(raw, raw)
-        if name not in ROWS:
-            raise ValueError(f"unknown method {raw!r}; known: {', '.join(ROWS)}")
-        chosen.add(name)
-    if not chosen:
-        raise ValueError("no methods given")
+    chosen = parse_names(text, ROWS, ROW_ALIASES)
     return [name for name in ROWS if name in chosen]
 
 
@@ -361,7 +352,6 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     from dspark.cost_table import CostTable
     from dspark.engine import Engine, EngineConfig
     from dspark.evaluation.eval_cli import default_checkpoints, read_eval_prompts
-    from dspark.evaluation.methods import checkpoint_folder
     from dspark.loading import is_checkpoint, load_calibration, load_method_drafter, load_target
     from dspark.step_timing import startup_cost_table
     from dspark.stop_tokens import stop_token_ids

@@ -40,7 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dspark.training.data import DataGenConfig, run_generation  # noqa: E402
-from dspark.training.trainer import Method, Trainer, TrainConfig  # noqa: E402
+from dspark.methods import DrafterKind  # noqa: E402
+from dspark.training.trainer import Trainer, TrainConfig  # noqa: E402
 
 TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                    "tokenizer_config.json", "chat_template.jinja")
@@ -99,12 +100,12 @@ def synthetic_data(path: Path, n: int, vocab: int) -> None:
 
 
 RECIPES: dict[str, dict] = {
-    "dspark-markov": dict(method=Method.MARKOV, num_layers=2, markov_rank=64,
+    "dspark-markov": dict(method=DrafterKind.MARKOV, num_layers=2, markov_rank=64,
                           init_layers_from=[28, 29], markov_init="bigram",
                           inject_last_context=True, output_norm_lr_scale=30.0),
-    "dflash": dict(method=Method.NONE, num_layers=2, init_layers_from=[28, 29],
+    "dflash": dict(method=DrafterKind.DFLASH, num_layers=2, init_layers_from=[28, 29],
                    inject_last_context=True),
-    "eagle": dict(method=Method.EAGLE),
+    "eagle": dict(method=DrafterKind.EAGLE),
 }
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.evaluation.methods import METHODS, VerifyLength, checkpoint_folder, parse_methods
+from dspark.methods import METHODS, VerifyLength, checkpoint_folder, parse_methods
 from dspark.loading import is_checkpoint
 from dspark.paths import CHECKPOINTS_DIR
 from dspark.stop_tokens import stop_token_ids

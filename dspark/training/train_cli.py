@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-from dspark.training.trainer import Method, TrainConfig
+from dspark.methods import DrafterKind
+from dspark.training.trainer import TrainConfig
 
 
 def _int_list(text: str) -> list[int]:
@@ -27,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="train on records of this split ('all' = every record)")
     parser.add_argument("--target", required=True, help="target model folder (transformers format)")
     parser.add_argument("--out", required=True, help="output folder (drafter, checkpoint, log)")
-    parser.add_argument("--method", choices=[m.value for m in Method], default=Method.MARKOV.value,
+    parser.add_argument("--method", choices=[m.value for m in DrafterKind], default=DrafterKind.MARKOV.value,
                         help="DSpark head (markov|rnn), DFlash (none) or the Eagle-style drafter")
     parser.add_argument("--layers", type=int, default=d["num_layers"].default,
                         help="drafter depth (Eagle-style: always 1)")
@@ -102,7 +103,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        data_path=args.data, target_dir=args.target, out_dir=args.out, method=Method(args.method),
+        data_path=args.data, target_dir=args.target, out_dir=args.out, method=DrafterKind(args.method),
         num_layers=args.layers, target_layer_ids=args.target_layers,
         num_context_layers=args.num_target_layers, intermediate_size=args.intermediate_size,
         gamma=args.gamma, markov_rank=args.markov_rank,

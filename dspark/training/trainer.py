@@ -35,7 +35,6 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +56,10 @@ from dspark.training.batches import (
     sample_anchors,
     select_draft_vocab,
 )
+from dspark.methods import DrafterKind
 from dspark.training.heldout import HeldoutEvaluator
 from dspark.training.losses import LossConfig, LossTerms, drafter_losses
 from dspark.training.markov_init import init_markov_head_from_bigrams
-
-
-class Method(str, Enum):
-    MARKOV = "markov"
-    RNN = "rnn"
-    NONE = "none"  # DFlash
-    EAGLE = "eagle"
 
 
 @dataclass
@@ -79,7 +72,7 @@ class TrainConfig:
     target_dir: str
     """The target model folder (transformers format)."""
     out_dir: str
-    method: Method = Method.MARKOV
+    method: DrafterKind = DrafterKind.MARKOV
     num_layers: int = 2
     """Drafter depth (DSpark/DFlash; the Eagle-style drafter always has one layer)."""
     target_layer_ids: list[int] | None = None
@@ -165,14 +158,14 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.method = Method(self.method)
+        self.method = DrafterKind(self.method)
         positive = ("num_layers", "num_context_layers", "gamma", "steps", "batch_size",
                     "num_anchors", "max_seq_len", "log_every", "save_every", "eval_examples",
                     "eval_anchors")
         for name in positive:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.method != Method.NONE and self.method != Method.EAGLE and self.markov_rank <= 0:
+        if self.method != DrafterKind.DFLASH and self.method != DrafterKind.EAGLE and self.markov_rank <= 0:
             raise ValueError("markov/rnn heads need markov_rank > 0")
         if not self.lr > 0 or not (0 <= self.min_lr_ratio <= 1) or self.warmup_steps < 0 \
                 or not self.output_norm_lr_scale > 0:
@@ -192,14 +185,14 @@ class TrainConfig:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.markov_init not in ("zero", "bigram"):
             raise ValueError(f"markov_init must be zero or bigram, got {self.markov_init!r}")
-        if self.inject_last_context and self.method == Method.EAGLE:
+        if self.inject_last_context and self.method == DrafterKind.EAGLE:
             raise ValueError("inject_last_context is for the DSpark/DFlash drafter (the Eagle-style "
                              "drafter reads the last features by construction)")
-        if self.markov_init == "bigram" and self.method != Method.MARKOV:
+        if self.markov_init == "bigram" and self.method != DrafterKind.MARKOV:
             raise ValueError("markov_init=bigram needs the markov head")
         if self.init_layers_from is not None:
             self.init_layers_from = [int(i) for i in self.init_layers_from]
-            if self.method == Method.EAGLE:
+            if self.method == DrafterKind.EAGLE:
                 raise ValueError("init_layers_from is for the DSpark/DFlash drafter, not eagle")
             if len(self.init_layers_from) != self.num_layers:
                 raise ValueError(f"init_layers_from names {len(self.init_layers_from)} target layers "
@@ -207,7 +200,7 @@ class TrainConfig:
 
     @property
     def loss_config(self) -> LossConfig:
-        conf = self.conf_weight if self.enable_confidence_head and self.method != Method.EAGLE else 0.0
+        conf = self.conf_weight if self.enable_confidence_head and self.method != DrafterKind.EAGLE else 0.0
         return LossConfig(self.ce_weight, self.tv_weight, conf, self.loss_decay)
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -276,11 +269,11 @@ def build_drafter(cfg: TrainConfig, target_config: dict, mask_token_id: int,
                   layer_ids: list[int]) -> DSparkDrafter | EagleDrafter:
     if cfg.intermediate_size is not None:
         target_config = {**target_config, "intermediate_size": cfg.intermediate_size}
-    if cfg.method == Method.EAGLE:
+    if cfg.method == DrafterKind.EAGLE:
         return EagleDrafter(eagle_config(target_config, target_layer_ids=layer_ids,
                                          block_size=cfg.gamma, draft_vocab_size=cfg.draft_vocab_size,
                                          mask_token_id=mask_token_id))
-    head = SequentialHead(cfg.method.value)
+    head = cfg.method.sequential_head
     dcfg = DrafterConfig.from_target_config(
         target_config, num_hidden_layers=cfg.num_layers, block_size=cfg.gamma,
         mask_token_id=mask_token_id, target_layer_ids=layer_ids, markov_head_type=head,

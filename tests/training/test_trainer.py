@@ -24,9 +24,9 @@ from dspark.training.batches import (
     sample_anchors,
     select_draft_vocab,
 )
+from dspark.methods import DrafterKind
 from dspark.training.trainer import (
     BIGRAM_START_BACKBONE_SCALE,
-    Method,
     TrainConfig,
     Trainer,
     lr_lambda,
@@ -210,7 +210,7 @@ def test_cli(target_dir, data_path, tmp_path, capsys):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["target_layer_ids"] == [1, 3] and cfg["block_size"] == 3 and cfg["markov_rank"] == 0
     assert cfg["intermediate_size"] == 24
-    assert Method(json.loads((tmp_path / "train_config.json").read_text())["method"]) == Method.NONE
+    assert DrafterKind(json.loads((tmp_path / "train_config.json").read_text())["method"]) == DrafterKind.DFLASH
 
 
 def test_warm_start_from_target_layers_and_bigram_markov_head(target_dir, data_path, tmp_path):

@@ -298,7 +298,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="dspark-bench-services-"))
     if args.tiny:
-        from dspark.serving.tiny_models import build_tiny_models
+        from loadtest.tiny_models import build_tiny_models
 
         tiny = build_tiny_models(work / "tiny")
         models = {"target": tiny.target_dir, "drafter": tiny.drafter_dir}

@@ -1,6 +1,7 @@
 """Prompts for the load test: the first turn of every record of the eval sets.
 
-The eval sets (`../shared/data/eval/*.jsonl`, one `{"turns": [...]}` per line) are the prompts the
+The eval sets (`*.jsonl` of `dspark.paths.EVAL_PROMPTS_DIR`: `../shared/data/eval/`, or
+`data/eval/` under `$DSPARK_SHARED_DIR`; one `{"turns": [...]}` per line) are the prompts the
 acceptance numbers were measured on, so the load test exercises the drafter on the same kind of
 text. `max_chars` cuts long prompts: the tiny test model has a short context, and on the 2-core
 machine prefill of a long prompt would dominate the measurement.
@@ -11,9 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark.paths import REPO_ROOT
-
-DEFAULT_EVAL_DIR = REPO_ROOT.parent / "shared" / "data" / "eval"
+from dspark.paths import EVAL_PROMPTS_DIR as DEFAULT_EVAL_DIR
 
 
 def load_first_turns(eval_dir: Path = DEFAULT_EVAL_DIR, sets: tuple[str, ...] = (),

@@ -159,7 +159,7 @@ def greedy_references(models, max_tokens: int) -> list[list[int]]:
     from dspark.engine import Engine, EngineConfig
     from dspark.loading import load_method_drafter, load_target
     from dspark.sampling import SamplingParams
-    from dspark.serving.tiny_models import LAYER_IDS
+    from loadtest.tiny_models import LAYER_IDS
     from dspark.verifier import TargetVerifier
 
     out = []
@@ -198,7 +198,7 @@ def judge(outcomes: list[dict], references: list[list[int]], timeout_seconds: fl
 
 
 def run(s: SoakSettings) -> dict:
-    from dspark.serving.tiny_models import build_tiny_models
+    from loadtest.tiny_models import build_tiny_models
 
     s.work.mkdir(parents=True, exist_ok=True)
     models = build_tiny_models(s.work / "models")

@@ -35,7 +35,7 @@ class ModelChoice:
 
 def tiny_models(work: Path) -> ModelChoice:
     """The tests' tiny random target and untrained drafter, built into `work`."""
-    from dspark.serving.tiny_models import build_tiny_models
+    from loadtest.tiny_models import build_tiny_models
 
     m = build_tiny_models(work)
     # As in the service tests: the smooth test cost table stays as it is, since measured

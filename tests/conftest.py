@@ -10,7 +10,7 @@ import pytest
 
 # REPO_ROOT also for the test modules that import it from here (`from .conftest import REPO_ROOT`).
 from dspark.paths import EVAL_PROMPTS_DIR, REPO_ROOT, require_folder  # noqa: F401
-from dspark.serving.tiny_models import TINY_LLAMA
+from loadtest.tiny_models import TINY_LLAMA
 
 # The tiny stack's service processes (tiny_models, launcher, shared_verifier), for tests/serving/
 # and tests/services/ alike; pytest reads pytest_plugins only from this top-level conftest.
@@ -112,7 +112,7 @@ def tiny_dspark(seed: int | None = None, runner=None, noisy_confidence: bool = F
 
     from dspark.models.drafter import DSparkDrafter
     from dspark.models.drafter_config import DrafterConfig
-    from dspark.serving.tiny_models import GAMMA, LAYER_IDS
+    from loadtest.tiny_models import GAMMA, LAYER_IDS
 
     if seed is not None:
         torch.manual_seed(seed)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from dspark.serving.local_stack import ServiceProcess, free_port, wait_grpc
-from dspark.serving.tiny_models import TinyModels, build_tiny_models
+from loadtest.tiny_models import TinyModels, build_tiny_models
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 from dspark import bench_cli, bench_e2e
 from dspark.calibration import CALIBRATION_FILENAME, STSCalibration
 from dspark.models.drafter_io import save_drafter
-from dspark.serving.tiny_models import GAMMA
+from loadtest.tiny_models import GAMMA
 
 from .conftest import tiny_dspark
 

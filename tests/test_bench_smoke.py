@@ -41,7 +41,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoTokenizer
 
     from dspark.models.drafter_io import save_drafter
-    from dspark.serving.tiny_models import VOCAB, build_tiny_models
+    from loadtest.tiny_models import VOCAB, build_tiny_models
 
     root = tmp_path_factory.mktemp("bench_smoke")
     models = build_tiny_models(root / "tiny")

@@ -58,7 +58,7 @@ def test_policy_drafts(policy, drafts):
 
 
 def test_verifier_layers(tmp_path, monkeypatch):
-    from dspark.serving.tiny_models import LAYER_IDS, build_tiny_models
+    from loadtest.tiny_models import LAYER_IDS, build_tiny_models
     from services.verifier.main import hidden_layers
 
     tiny = build_tiny_models(tmp_path)
@@ -115,7 +115,7 @@ def test_up_refuses_an_unknown_policy_before_starting_anything(tmp_path, capsys)
 @pytest.mark.parametrize("policy, speculative", [("async_topk", True), ("none", False)])
 def test_build_engine(tmp_path, policy, speculative):
     from dspark.loading import build_engine
-    from dspark.serving.tiny_models import build_tiny_models
+    from loadtest.tiny_models import build_tiny_models
 
     tiny = build_tiny_models(tmp_path)
     engine, tokenizer = build_engine(tiny.target_dir, tiny.drafter_dir, policy, "float32",

@@ -15,7 +15,7 @@ from dspark.cost_table import CostTable, ThetaObjective
 from dspark.engine import Engine, EngineConfig
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.sampling import SamplingParams
-from dspark.serving.tiny_models import GAMMA, LAYER_IDS, VOCAB
+from loadtest.tiny_models import GAMMA, LAYER_IDS, VOCAB
 from dspark.verifier import PrefillChunk, TargetVerifier
 
 from .conftest import tiny_dspark

@@ -15,7 +15,7 @@ from dspark.engine import Engine, EngineConfig
 from dspark.loading import load_method_drafter, load_target
 from dspark.logprobs import TokenLogprobs, grouped_token_logprobs, token_logprobs
 from dspark.sampling import SamplingParams
-from dspark.serving.tiny_models import GAMMA, LAYER_IDS, build_tiny_models
+from loadtest.tiny_models import GAMMA, LAYER_IDS, build_tiny_models
 from dspark.verifier import TargetVerifier
 
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [40], [8, 8, 8, 8, 8]]

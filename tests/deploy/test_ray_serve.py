@@ -33,7 +33,7 @@ except ImportError as e:  # a clear failure, not a skip
 from dspark.serving.grpc_runtime import channel
 from dspark.serving.local_stack import REPO_ROOT, free_port
 from dspark.serving.protos import pb, rpc
-from dspark.serving.tiny_models import LAYER_IDS, build_tiny_models
+from loadtest.tiny_models import LAYER_IDS, build_tiny_models
 
 MAX_TOKENS = 12
 PROMPTS = [[3, 9, 27], [5, 6], [10, 11, 12, 13], [7], [40, 41, 2], [22, 23, 24, 25, 26]]

@@ -17,7 +17,7 @@ from dspark.evaluation.acceptance import (AcceptanceRecords, CollectConfig, Roun
 from dspark.models.draft_types import DraftBlock
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.sampling import SamplingParams
-from dspark.serving.tiny_models import GAMMA, LAYER_IDS, VOCAB
+from loadtest.tiny_models import GAMMA, LAYER_IDS, VOCAB
 from dspark.verifier import TargetVerifier
 
 from ..conftest import tiny_dspark

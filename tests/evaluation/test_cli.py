@@ -16,7 +16,7 @@ from dspark.evaluation import calibrate_cli, eval_cli
 from dspark.models.drafter_config import SequentialHead
 from dspark.models.drafter_io import save_drafter
 from dspark.models.eagle import EagleDrafter, eagle_config
-from dspark.serving.tiny_models import GAMMA
+from loadtest.tiny_models import GAMMA
 
 from ..conftest import tiny_dspark
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from dspark.serving.local_stack import ServiceProcess, wait_grpc, wait_http
-from dspark.serving.tiny_models import LAYER_IDS, TinyModels
+from loadtest.tiny_models import LAYER_IDS, TinyModels
 
 from ..stack_fixtures import start_drafter, start_scheduler
 

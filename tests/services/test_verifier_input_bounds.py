@@ -13,7 +13,7 @@ from dspark.sampling import SamplingParams
 from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import PUBLIC_MAX_MESSAGE_BYTES, channel
 from dspark.serving.protos import pb, rpc
-from dspark.serving.tiny_models import VOCAB
+from loadtest.tiny_models import VOCAB
 
 PROMPT = [3, 9, 27, 17, 5, 6, 40]
 GREEDY = messages.sampling_to_pb(SamplingParams(temperature=0))

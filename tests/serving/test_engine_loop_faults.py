@@ -25,7 +25,7 @@ from dspark.serving.cohorts import Cohorts
 from dspark.serving.engine_loop import EngineLoop, StreamEvent, Submission
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import InMemoryRequestStore, StoredRequest
-from dspark.serving.tiny_models import LAYER_IDS
+from loadtest.tiny_models import LAYER_IDS
 from dspark.verifier import TargetVerifier
 
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [8, 8, 8]]

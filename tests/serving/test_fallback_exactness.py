@@ -13,7 +13,7 @@ from dspark.engine import Engine, EngineConfig
 from dspark.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.remote_drafter import fallback_blocks
-from dspark.serving.tiny_models import GAMMA, LAYER_IDS, VOCAB
+from loadtest.tiny_models import GAMMA, LAYER_IDS, VOCAB
 from dspark.verifier import TargetVerifier
 
 

@@ -13,7 +13,7 @@ from dspark.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.protos import pb, rpc
 from dspark.serving.remote_verifier import RemoteVerifier
-from dspark.serving.tiny_models import LAYER_IDS
+from loadtest.tiny_models import LAYER_IDS
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyRequest
 
 PROMPT = [3, 9, 27, 17, 5, 6, 40]

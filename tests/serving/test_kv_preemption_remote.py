@@ -11,7 +11,7 @@ from dspark.loading import load_method_drafter, load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.local_stack import wait_grpc
 from dspark.serving.remote_verifier import RemoteVerifier
-from dspark.serving.tiny_models import LAYER_IDS
+from loadtest.tiny_models import LAYER_IDS
 from dspark.verifier import TargetVerifier
 
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2]]

@@ -15,7 +15,7 @@ from dspark.serving.grpc_runtime import channel
 from dspark.serving.local_stack import wait_grpc
 from dspark.serving.protos import pb, rpc
 from dspark.serving.remote_drafter import RemoteDrafter
-from dspark.serving.tiny_models import LAYER_IDS
+from loadtest.tiny_models import LAYER_IDS
 
 
 @pytest.fixture(scope="module")

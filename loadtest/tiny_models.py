@@ -1,8 +1,8 @@
 """A tiny random target (Llama-shaped, 64-token vocabulary with a word-level tokenizer "t0".."t63"
 and a chat template) and an untrained DSpark drafter for it, written to a folder.
 
-For smoke runs of the service stack where the real model is too slow (the service tests,
-`bench/services.py --tiny`): everything the services load from disk is real (safetensors weights,
+For smoke runs of the service stack where the real model is too slow (`loadtest.sweep --tiny`,
+the fuzz and soak runs, `bench/services.py --tiny`, the tests): everything the services load from disk is real (safetensors weights,
 tokenizer files, drafter checkpoint, cost table), only small.
 """
 

@@ -1,4 +1,5 @@
-"""End-to-end speed benchmark: output tokens/s of whole generations (DESIGN.md 9).
+"""`dspark bench` (and `bench/e2e.py`, the same flags): the end-to-end speed benchmark, output
+tokens/s of whole generations (DESIGN.md sections 9-10).
 
 Rows (`--methods`, in this order):
 - `target`: our engine with policy `none` (no drafter): the baseline every ratio is taken against;

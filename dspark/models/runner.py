@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -385,8 +386,20 @@ def long_queries(query_lens: list[int], context_lens: list[int], block_tables: t
     return spans
 
 
+ATTENTION_ENV = "DSPARK_ATTENTION"
+"""Names the `AttentionImpl` (its value, e.g. `per_request`) of every runner that is not given one:
+a whole service stack or benchmark compares implementations without a flag in each process."""
+
+
 def default_attention(device: torch.device) -> AttentionImpl:
-    """PAGED on a CPU where its kernel builds, else per-request SDPA; PADDED on other devices."""
+    """$DSPARK_ATTENTION when set; else PAGED on a CPU where its kernel builds, else per-request
+    SDPA; PADDED on other devices."""
+    if os.environ.get(ATTENTION_ENV):
+        try:
+            return AttentionImpl(os.environ[ATTENTION_ENV])
+        except ValueError:
+            raise ValueError(f"{ATTENTION_ENV}={os.environ[ATTENTION_ENV]!r}: expected one of "
+                             f"{', '.join(a.value for a in AttentionImpl)}") from None
     if device.type != "cpu":
         return AttentionImpl.PADDED
     return AttentionImpl.PAGED if cpu_kernel_available() else AttentionImpl.PER_REQUEST

@@ -314,3 +314,13 @@ def test_bf16_runner_close_to_fp32_reference(tiny):
         assert (out - ref).abs().max().item() <= 0.02 * scale  # observed <= 0.009 * scale
     for other in outs[1:]:
         assert (outs[0] - other).abs().max().item() <= 0.02 * ref.abs().max().item()
+
+
+def test_dspark_attention_names_the_default_implementation(tiny, monkeypatch):
+    _, folder = tiny
+    monkeypatch.setenv("DSPARK_ATTENTION", "per_request")
+    assert make_runner(folder).attention is AttentionImpl.PER_REQUEST
+    assert make_runner(folder, attention=AttentionImpl.PADDED).attention is AttentionImpl.PADDED
+    monkeypatch.setenv("DSPARK_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="DSPARK_ATTENTION='flash': expected one of paged"):
+        make_runner(folder)

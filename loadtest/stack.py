@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dspark.admission import AdmissionPolicy
 from dspark.drafter_choice import parse_drafter_dir
+from dspark.serving.core_split import split_cores
 from dspark.serving.local_stack import ServiceProcess, free_port, wait_grpc, wait_http
 
 
@@ -31,6 +32,10 @@ class ModelChoice:
     dtype: str = "float32"
     device: str = "cpu"
     scheduler_args: tuple[str, ...] = ()
+    verifier_threads: int = 0
+    """torch threads of the verifier; 0 = the cores the drafter leaves (core_split)."""
+    drafter_threads: int = 0
+    """torch threads of the drafter; 0 = one."""
 
 
 def tiny_models(work: Path) -> ModelChoice:
@@ -40,8 +45,10 @@ def tiny_models(work: Path) -> ModelChoice:
     m = build_tiny_models(work)
     # As in the service tests: the smooth test cost table stays as it is, since measured
     # tiny-model steps would make it a noisy staircase and the admission erratic.
+    # One thread per model: the tiny models gain nothing from more, and the tests run beside them.
     return ModelChoice(str(m.target_dir), str(m.drafter_dir), str(m.cost_table), "tiny", 1024,
-                       scheduler_args=("--update-cost-table", "false"))
+                       scheduler_args=("--update-cost-table", "false"), verifier_threads=1,
+                       drafter_threads=1)
 
 
 def real_models(model_dir: str = "", drafter_dir: str = "", cost_table: str = "",
@@ -96,10 +103,13 @@ def start_stack(models: ModelChoice, policy: str, log_dir: Path,
                                            str(trace_file)]
     use_drafter = (AdmissionPolicy.parse(policy).drafts
                    and parse_drafter_dir(models.drafter_dir) is not None)
+    threads = split_cores(use_drafter, verifier=models.verifier_threads,
+                          drafter=models.drafter_threads)
     common = ["--dtype", models.dtype, "--device", models.device]
     model = ["--model-dir", models.model_dir] if models.model_dir else []
     verifier_port, drafter_port = free_port(), free_port()
     verifier_args = ["services.verifier", "--port", str(verifier_port), *model, *common, *trace,
+                     "--threads", str(threads.verifier),
                      "--hidden-layer-ids", "" if use_drafter else "none"]
     if use_drafter:
         verifier_args += ["--drafter-dir", models.drafter_dir]
@@ -112,7 +122,8 @@ def start_stack(models: ModelChoice, policy: str, log_dir: Path,
     if use_drafter:
         backends.append((ServiceProcess("drafter", [
             "services.drafter", "--port", str(drafter_port), "--drafter-dir", models.drafter_dir,
-            *model, *common, *trace], log_dir), f"127.0.0.1:{drafter_port}"))
+            *model, *common, *trace, "--threads", str(threads.drafter)], log_dir),
+            f"127.0.0.1:{drafter_port}"))
     try:
         for proc, _ in backends:
             stack.processes.append(proc.start())

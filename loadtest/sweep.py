@@ -22,6 +22,7 @@ verification length). It writes to --out:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -78,6 +79,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the services' model dtype (not with --tiny); bfloat16 is the faster "
                              "one on a CPU with AVX512-BF16")
+    parser.add_argument("--verifier-threads", type=int, default=0,
+                        help="torch threads of the verifier (0: the cores the drafter leaves)")
+    parser.add_argument("--drafter-threads", type=int, default=0,
+                        help="torch threads of the drafter (0: one)")
     parser.add_argument("--extra-scheduler-args", default="", help="space-separated")
     parser.add_argument("--out", default="", help="output folder (default: runs/loadtest-<time>)")
     parser.add_argument("--trace", action="store_true",
@@ -175,8 +180,12 @@ def choose_models(args: argparse.Namespace, out: Path):
     if args.tiny:
         if args.prompt_chars == 0:
             args.prompt_chars = 200  # the tiny target's context is short
-        return tiny_models(out / "tiny_models")
-    return real_models(args.model_dir, args.drafter_dir, args.cost_table, args.dtype)
+        models = tiny_models(out / "tiny_models")
+    else:
+        models = real_models(args.model_dir, args.drafter_dir, args.cost_table, args.dtype)
+    asked = {k: v for k, v in (("verifier_threads", args.verifier_threads),
+                               ("drafter_threads", args.drafter_threads)) if v}
+    return dataclasses.replace(models, **asked)
 
 
 def write_outputs(results: list[LevelResult], args: argparse.Namespace, out: Path) -> None:

@@ -1,10 +1,9 @@
 """The drafter / hidden-layer flags parsed into typed values (dspark.drafter_choice), the policy's
-`drafts`, and the places that act on them: the verifier's layers, `dspark up`'s processes and the
-embedded engine `dspark.loading.build_engine`."""
+`drafts`, and the places that act on them: the verifier's layers and the
+embedded engine `dspark.loading.build_engine` (`dspark up`'s: tests/serving/test_up_cli.py)."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
@@ -71,45 +70,6 @@ def test_verifier_layers(tmp_path, monkeypatch):
     assert hidden_layers(VerifierServiceConfig()) == ()  # no shipped drafter either
     monkeypatch.setattr(drafter_choice, "DEFAULT_DRAFTER", tiny.drafter_dir)
     assert hidden_layers(VerifierServiceConfig()) == LAYER_IDS
-
-
-def up_args(**overrides) -> argparse.Namespace:
-    from dspark.serving import up_cli
-
-    parser = argparse.ArgumentParser()
-    up_cli.configure(parser)
-    args = parser.parse_args([])
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return args
-
-
-@pytest.mark.parametrize("drafter_dir, policy, with_drafter", [
-    ("ckpt", "async_topk", True), ("ckpt", "none", False), ("none", "async_topk", False),
-    ("", "fixed:2", True), ("none", "none", False)])
-def test_up_starts_a_drafter_only_when_there_is_one_to_use(tmp_path, monkeypatch, drafter_dir,
-                                                            policy, with_drafter):
-    from dspark.serving.up_cli import stack_processes
-
-    monkeypatch.setattr(drafter_choice, "DEFAULT_DRAFTER", tmp_path)  # "" = the shipped one
-    procs = stack_processes(up_args(drafter_dir=drafter_dir, policy=policy), tmp_path)
-    names = [p.name for p, _ in procs]
-    assert names == (["verifier", "drafter", "scheduler"] if with_drafter
-                     else ["verifier", "scheduler"])
-    verifier_args = procs[0][0].module_args
-    layers = verifier_args[verifier_args.index("--hidden-layer-ids") + 1]
-    assert layers == ("" if with_drafter else "none")
-    if with_drafter:
-        expected = str(tmp_path) if drafter_dir == "" else drafter_dir
-        assert verifier_args[verifier_args.index("--drafter-dir") + 1] == expected
-
-
-def test_up_refuses_an_unknown_policy_before_starting_anything(tmp_path, capsys):
-    from dspark.serving.up_cli import run
-
-    assert run(up_args(policy="sometimes", log_dir=str(tmp_path))) == 1
-    assert "unknown admission policy" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("policy, speculative", [("async_topk", True), ("none", False)])

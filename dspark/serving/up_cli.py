@@ -38,6 +38,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="async_topk")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--verifier-threads", type=int, default=0,
+                        help="torch threads of the verifier (0: the cores the drafter leaves)")
+    parser.add_argument("--drafter-threads", type=int, default=0,
+                        help="torch threads of the drafter (0: one)")
     parser.add_argument("--redis-url", default="", help="redis://... (default: in-memory store)")
     parser.add_argument("--api-keys-file", default="",
                         help="file of accepted Bearer keys, one a line (or set "
@@ -58,12 +62,16 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
 
     from dspark.admission import AdmissionPolicy
     from dspark.drafter_choice import drafter_dir_or_shipped
+    from dspark.serving.core_split import split_cores
 
     drafter_dir = drafter_dir_or_shipped(args.drafter_dir)
     use_drafter = drafter_dir is not None and AdmissionPolicy.parse(args.policy).drafts
+    threads = split_cores(use_drafter, verifier=args.verifier_threads,
+                          drafter=args.drafter_threads)
     common = ["--dtype", args.dtype, "--device", args.device]
     model = ["--model-dir", args.model_dir] if args.model_dir else []
     verifier = ["services.verifier", "--port", str(args.verifier_port), *model, *common,
+                "--threads", str(threads.verifier),
                 "--hidden-layer-ids", "" if use_drafter else "none"]
     if use_drafter:
         verifier += ["--drafter-dir", str(drafter_dir)]
@@ -74,7 +82,8 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
     if use_drafter:
         out.append((ServiceProcess("drafter", [
             "services.drafter", "--port", str(args.drafter_port),
-            "--drafter-dir", str(drafter_dir), *model, *common], log_dir,
+            "--drafter-dir", str(drafter_dir), *model, *common,
+            "--threads", str(threads.drafter)], log_dir,
             env=secret_env("DRAFTER")),
             f"127.0.0.1:{args.drafter_port}"))
     scheduler = ["services.scheduler", "--host", args.host, "--http-port", str(args.port),
@@ -92,8 +101,11 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
 def run(args: argparse.Namespace) -> int:
     from dspark.admission import AdmissionPolicy
 
+    from dspark.serving.core_split import split_cores
+
     try:
         AdmissionPolicy.parse(args.policy)
+        split_cores(True, verifier=args.verifier_threads, drafter=args.drafter_threads)
     except ValueError as e:  # before any service starts (the scheduler would refuse it too)
         print(f"dspark up: {e}", file=sys.stderr)
         return 1

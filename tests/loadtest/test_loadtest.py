@@ -161,13 +161,30 @@ def test_sweep_dtype_reaches_the_real_models_and_is_refused_for_tiny(tmp_path):
     from loadtest.sweep import choose_models
 
     args = argparse.Namespace(tiny=False, model_dir="", drafter_dir="", cost_table="",
-                              dtype="bfloat16")
+                              dtype="bfloat16", verifier_threads=0, drafter_threads=0)
     assert choose_models(args, tmp_path).dtype == "bfloat16"
     cmd = [sys.executable, "-m", "dspark.cli", "loadtest", "--tiny", "--dtype", "bfloat16",
            "--out", str(tmp_path / "sweep")]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "--dtype applies to the real models" in done.stderr
+
+
+def test_sweep_threads_reach_the_models_and_default_to_the_core_split(tmp_path):
+    import argparse
+
+    from loadtest.sweep import choose_models
+
+    args = argparse.Namespace(tiny=False, model_dir="", drafter_dir="", cost_table="",
+                              dtype="float32", verifier_threads=0, drafter_threads=0)
+    real = choose_models(args, tmp_path)
+    assert (real.verifier_threads, real.drafter_threads) == (0, 0)  # 0: split_cores decides
+    args.verifier_threads, args.drafter_threads = 3, 2
+    real = choose_models(args, tmp_path)
+    assert (real.verifier_threads, real.drafter_threads) == (3, 2)
+    args.tiny, args.prompt_chars, args.verifier_threads, args.drafter_threads = True, 0, 0, 0
+    tiny = choose_models(args, tmp_path)
+    assert (tiny.verifier_threads, tiny.drafter_threads) == (1, 1)
 
 
 def test_sweep_refuses_missing_eval_prompts_before_starting_anything(tmp_path):

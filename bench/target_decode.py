@@ -64,7 +64,16 @@ def cpu_description() -> dict:
     except OSError:
         pass
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"cpu": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
+    described = {"cpu": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
+    # Code paths capped below the CPU's (an AVX2-only CPU's paths on an AVX-512 one): torch's
+    # own kernels, oneDNN, MKL, and the runners' attention kernel (dspark.models.paged_attention).
+    caps = {name: os.environ[name] for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                "MKL_ENABLE_INSTRUCTIONS", "DSPARK_KERNEL_ISA_FLAGS")
+            if os.environ.get(name)}
+    if caps:
+        described["isa_caps"] = caps
+        described["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return described
 
 
 def hf_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

@@ -23,7 +23,9 @@ tests hold them together.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -59,13 +61,30 @@ def build_cpu_kernel(source: Path, name: str, isa_flags: tuple[str, ...] = ()):
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
+KERNEL_ISA_FLAGS_ENV = "DSPARK_KERNEL_ISA_FLAGS"
+"""Compiler flags after -march=native for the runners' kernel, space-separated: "-mno-avx512f"
+runs the AVX2 path on an AVX-512 CPU. With ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2
+(torch's own kernels and oneDNN's) a whole run takes an AVX2-only CPU's code paths, which is how
+bench/target_decode.py compares against transformers as on such a CPU. Unset: this CPU's best."""
+
+
+def kernel_build(isa_flags: str) -> tuple[str, tuple[str, ...]]:
+    """(extension name, flags) for `isa_flags` (KERNEL_ISA_FLAGS_ENV's value): each set of flags
+    is built and cached under its own name, so switching them never loads another build."""
+    flags = tuple(isa_flags.split())
+    if not flags:
+        return "dspark_paged_attention", ()
+    return f"dspark_paged_attention_{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:10]}", flags
+
+
 @functools.cache
 def _cpu_extension():
     """The compiled CPU kernel module, or None where it cannot be built here."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return None
     try:
-        return build_cpu_kernel(_SOURCE, "dspark_paged_attention")
+        name, flags = kernel_build(os.environ.get(KERNEL_ISA_FLAGS_ENV, ""))
+        return build_cpu_kernel(_SOURCE, name, flags)
     except Exception as exc:  # no compiler headers, no ninja: fall back, and say why once
         _log.warning("paged attention CPU kernel unavailable (%s); per-request SDPA is used", exc)
         return None

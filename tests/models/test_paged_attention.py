@@ -159,3 +159,14 @@ def test_cpu_kernel_refuses_indices_outside_the_cache():
         paged_attention(q, k, v, block_tables, query_start, torch.tensor([6 + 2 * BLOCK_SIZE]), 1.0)
     with pytest.raises(RuntimeError, match="shorter than its new tokens"):
         paged_attention(q, k, v, block_tables, query_start, torch.tensor([1]), 1.0)
+
+
+def test_each_set_of_isa_flags_builds_under_its_own_name():
+    from dspark.models.paged_attention import kernel_build
+
+    assert kernel_build("") == ("dspark_paged_attention", ())
+    avx2, flags = kernel_build("-mno-avx512f")
+    assert flags == ("-mno-avx512f",) and avx2 != "dspark_paged_attention"
+    assert kernel_build("  -mno-avx512f ") == (avx2, flags)
+    portable = kernel_build("-mno-avx512f -mno-avx2")
+    assert portable[1] == ("-mno-avx512f", "-mno-avx2") and portable[0] not in (avx2, "dspark_paged_attention")

@@ -47,7 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      description=__doc__.split("\n")[0])
     configure(parser)  # the sweep's options: models, prompts, max tokens, SLA, ...
     parser.add_argument("--repeats", type=int, default=3, help="concurrent pairs of runs")
-    parser.set_defaults(policies="async_topk,none", users=[16], max_tokens=64)
+    # Two stacks share the machine here, so each model takes one thread unless asked otherwise
+    # (a stack alone splits all the cores: dspark.serving.core_split).
+    parser.set_defaults(policies="async_topk,none", users=[16], max_tokens=64,
+                        verifier_threads=1, drafter_threads=1)
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if len(policies) != 2 or policies[0] == policies[1]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dspark.admission import AdmissionPolicy
 from dspark.drafter_choice import parse_drafter_dir
-from dspark.serving.core_split import split_cores
+from dspark.serving.core_split import scheduler_cohorts, split_cores
 from dspark.serving.local_stack import ServiceProcess, free_port, wait_grpc, wait_http
 
 
@@ -33,9 +33,9 @@ class ModelChoice:
     device: str = "cpu"
     scheduler_args: tuple[str, ...] = ()
     verifier_threads: int = 0
-    """torch threads of the verifier; 0 = the cores the drafter leaves (core_split)."""
+    """torch threads of the verifier; 0 = as `dspark up` splits the cores (core_split)."""
     drafter_threads: int = 0
-    """torch threads of the drafter; 0 = one."""
+    """torch threads of the drafter; 0 = as `dspark up` splits the cores."""
 
 
 def tiny_models(work: Path) -> ModelChoice:
@@ -103,7 +103,8 @@ def start_stack(models: ModelChoice, policy: str, log_dir: Path,
                                            str(trace_file)]
     use_drafter = (AdmissionPolicy.parse(policy).drafts
                    and parse_drafter_dir(models.drafter_dir) is not None)
-    threads = split_cores(use_drafter, verifier=models.verifier_threads,
+    cohorts = scheduler_cohorts([*models.scheduler_args, *extra_scheduler_args])
+    threads = split_cores(use_drafter, cohorts, verifier=models.verifier_threads,
                           drafter=models.drafter_threads)
     common = ["--dtype", models.dtype, "--device", models.device]
     model = ["--model-dir", models.model_dir] if models.model_dir else []

@@ -80,9 +80,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the services' model dtype (not with --tiny); bfloat16 is the faster "
                              "one on a CPU with AVX512-BF16")
     parser.add_argument("--verifier-threads", type=int, default=0,
-                        help="torch threads of the verifier (0: the cores the drafter leaves)")
+                        help="torch threads of the verifier (0: as dspark up splits the cores)")
     parser.add_argument("--drafter-threads", type=int, default=0,
-                        help="torch threads of the drafter (0: one)")
+                        help="torch threads of the drafter (0: as dspark up splits the cores)")
     parser.add_argument("--extra-scheduler-args", default="", help="space-separated")
     parser.add_argument("--out", default="", help="output folder (default: runs/loadtest-<time>)")
     parser.add_argument("--trace", action="store_true",

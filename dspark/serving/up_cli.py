@@ -39,9 +39,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--verifier-threads", type=int, default=0,
-                        help="torch threads of the verifier (0: the cores the drafter leaves)")
+                        help="torch threads of the verifier (0: all the cores, or those the "
+                             "drafter leaves with several --cohorts)")
     parser.add_argument("--drafter-threads", type=int, default=0,
-                        help="torch threads of the drafter (0: one)")
+                        help="torch threads of the drafter (0: all the cores, or one with "
+                             "several --cohorts)")
     parser.add_argument("--redis-url", default="", help="redis://... (default: in-memory store)")
     parser.add_argument("--api-keys-file", default="",
                         help="file of accepted Bearer keys, one a line (or set "
@@ -62,12 +64,12 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
 
     from dspark.admission import AdmissionPolicy
     from dspark.drafter_choice import drafter_dir_or_shipped
-    from dspark.serving.core_split import split_cores
+    from dspark.serving.core_split import scheduler_cohorts, split_cores
 
     drafter_dir = drafter_dir_or_shipped(args.drafter_dir)
     use_drafter = drafter_dir is not None and AdmissionPolicy.parse(args.policy).drafts
-    threads = split_cores(use_drafter, verifier=args.verifier_threads,
-                          drafter=args.drafter_threads)
+    threads = split_cores(use_drafter, scheduler_cohorts(args.extra_scheduler_args.split()),
+                          verifier=args.verifier_threads, drafter=args.drafter_threads)
     common = ["--dtype", args.dtype, "--device", args.device]
     model = ["--model-dir", args.model_dir] if args.model_dir else []
     verifier = ["services.verifier", "--port", str(args.verifier_port), *model, *common,

@@ -60,8 +60,12 @@ def test_up_hands_each_model_service_its_share_of_the_cores(tmp_path, monkeypatc
         args = next(p.module_args for p, _ in procs if p.name == name)
         return int(args[args.index("--threads") + 1])
 
+    monkeypatch.delenv("DSPARK_SCHEDULER_COHORTS", raising=False)
     procs = stack_processes(up_args(policy="async_topk"), tmp_path)
-    assert (threads(procs, "verifier"), threads(procs, "drafter")) == (5, 1)
+    assert (threads(procs, "verifier"), threads(procs, "drafter")) == (6, 6)  # they take turns
+    procs = stack_processes(up_args(policy="async_topk", extra_scheduler_args="--cohorts 2"),
+                            tmp_path)
+    assert (threads(procs, "verifier"), threads(procs, "drafter")) == (5, 1)  # they overlap
     procs = stack_processes(up_args(policy="none"), tmp_path)
     assert threads(procs, "verifier") == 6
     procs = stack_processes(up_args(policy="async_topk", verifier_threads=2, drafter_threads=3),

@@ -102,7 +102,6 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
 
 def run(args: argparse.Namespace) -> int:
     from dspark.admission import AdmissionPolicy
-
     from dspark.serving.core_split import split_cores
 
     try:

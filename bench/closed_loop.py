@@ -4,7 +4,8 @@ where the target's time goes, for each attention implementation, in one run.
 What the load test's users do to the engine, minus the network, the gateway and Locust: `--users`
 requests run at once (policy `none`, greedy, `--max-tokens` each, stopping at the chat's stop
 tokens); whenever one finishes the next prompt joins (the eval sets' first turns, chat-templated,
-round-robin over the files). After `--warmup-s`, `--seconds` are counted. Every target forward is
+round-robin over the files). After `--warmup-s`, `--seconds` are counted (longer if no token came out in
+them, so a rate is never zero by a slow first step). Every target forward is
 timed and classed as a decode pass (one new token per request) or a pass that reads prompt
 tokens (chunked prefill, with or without decode rows). The implementations alternate, `--repeats`
 times, so a load change on a shared machine hits each alike. Prints a markdown table and one JSON
@@ -105,7 +106,7 @@ def run_loop(runner: TargetRunner, prompts: list[list[int]], stops: list[int], a
             if out.finished:
                 result.finished += counting
                 join()
-        if counting and now - counted_from >= args.seconds:
+        if counting and now - counted_from >= args.seconds and result.tokens > 0:
             result.seconds = now - counted_from
             return result
 
@@ -152,7 +153,7 @@ def main() -> int:
                       "prompt_pass_share_median": round(statistics.median(share), 2),
                       "finished": [r.finished for r in results],
                       "passes": [{k: v.summary() for k, v in r.passes.items()} for r in results]}
-    base = rows[impls[-1].value]["tok_s_median"]
+    base = rows[impls[-1].value]["tok_s_median"] or float("nan")  # nan: no tokens in the window
     print(f"{args.users} users, {args.max_tokens} tokens, {args.dtype}, {args.threads} thread(s), "
           f"prefill chunk {args.prefill_chunk_tokens}, {cpu_description()}")
     print(f"\n| attention | tok/s (each run) | median | / {impls[-1].value} | decode pass ms | "

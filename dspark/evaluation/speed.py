@@ -9,6 +9,8 @@ Rows (`--methods`, in this order):
 - `dspark-paper`: the same with the paper's objective Theta = tau * SPS(B), which takes drafting
   as free (`ThetaObjective.PAPER`); `dspark` charges a round that verifies drafts for drafting
   them too (`SHARED_DEVICE`, the engine's default), as drafter and target share this CPU;
+- `dspark-full`: the same drafter verifying its full block every round (`fixed:gamma`): what
+  `async_topk`'s choice of how many drafts to verify is measured against;
 - `dspark-sync`: the same drafter with `sync_greedy` (the paper's Algorithm 1: drafts every
   round, then admits by Theta with SPS(B));
 - `hf-generate`: transformers `generate` on the same weights in this process;
@@ -116,6 +118,7 @@ ROWS: dict[str, RowSpec] = {r.name: r for r in (
     RowSpec("dspark-paper", "DSpark (async_topk, drafting taken as free)", RowKind.ENGINE, "dspark",
             "async_topk", ThetaObjective.PAPER),
     RowSpec("dspark-sync", "DSpark (sync_greedy)", RowKind.ENGINE, "dspark", "sync_greedy"),
+    RowSpec("dspark-full", "DSpark (full block)", RowKind.ENGINE, "dspark", FULL_BLOCK),
     RowSpec("hf-generate", "transformers generate", RowKind.HF_GENERATE),
     RowSpec("hf-prompt-lookup", "transformers prompt lookup", RowKind.HF_PROMPT_LOOKUP),
 )}

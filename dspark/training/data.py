@@ -67,8 +67,10 @@ class DataGenConfig:
     """Output `.jsonl` (or `.jsonl.gz`); appended to, so a run resumes."""
     num_prompts: int = 1000
     max_new_tokens: int = 256
-    batch_size: int = 16
-    """Concurrent answers in flight (one flattened batch)."""
+    batch_size: int = 64
+    """Concurrent answers in flight (one flattened batch). 64 answers 1.34x the tokens/s of 16 on a
+    2-core AVX2 EPYC (float32, 128 new tokens: 133.6 against 99.8), as a step's weight reads are
+    shared by more rows."""
     sampling: SamplingParams = field(
         default_factory=lambda: SamplingParams(temperature=0.7, top_p=0.8, top_k=20))
     heldout_fraction: float = 0.1
@@ -358,7 +360,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("data/smollm2_answers.jsonl.gz"))
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=DataGenConfig.batch_size,
+                        help="answers in flight, one flattened batch (default: %(default)s)")
     parser.add_argument("--heldout-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

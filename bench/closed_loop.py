@@ -4,8 +4,7 @@ where the target's time goes, for each attention implementation, in one run.
 What the load test's users do to the engine, minus the network, the gateway and Locust: `--users`
 requests run at once (policy `none`, greedy, `--max-tokens` each, stopping at the chat's stop
 tokens); whenever one finishes the next prompt joins (the eval sets' first turns, chat-templated,
-round-robin over the files). After `--warmup-s`, `--seconds` are counted (longer if no token came out in
-them, so a rate is never zero by a slow first step). Every target forward is
+round-robin over the files). After `--warmup-s`, `--seconds` are counted. Every target forward is
 timed and classed as a decode pass (one new token per request) or a pass that reads prompt
 tokens (chunked prefill, with or without decode rows). The implementations alternate, `--repeats`
 times, so a load change on a shared machine hits each alike. Prints a markdown table and one JSON
@@ -97,16 +96,15 @@ def run_loop(runner: TargetRunner, prompts: list[list[int]], stops: list[int], a
     while True:
         outputs = engine.step()
         now = time.perf_counter()
-        if counted_from is None and now - begin >= args.warmup_s:
-            counting, counted_from = True, now
-            continue  # this step's tokens belong to the warm-up
         for out in outputs:
             if counting:
                 result.tokens += len(out.new_token_ids)
-            if out.finished:
+            if out.finished:  # replaced at once, in the warm-up too: the loop stays at --users
                 result.finished += counting
                 join()
-        if counting and now - counted_from >= args.seconds and result.tokens > 0:
+        if counted_from is None and now - begin >= args.warmup_s:
+            counting, counted_from = True, now  # counted from the next step on
+        elif counting and now - counted_from >= args.seconds:
             result.seconds = now - counted_from
             return result
 

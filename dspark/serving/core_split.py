@@ -39,14 +39,15 @@ def usable_cores() -> int:
 
 
 def scheduler_cohorts(scheduler_args: Sequence[str]) -> int:
-    """The cohorts a scheduler started with `scheduler_args` runs: its `--cohorts`, else
-    DSPARK_SCHEDULER_COHORTS, else one (SchedulerConfig's default)."""
+    """The cohorts a scheduler started with `scheduler_args` runs, resolved as the scheduler
+    resolves its flags (its `--cohorts`, else DSPARK_SCHEDULER_COHORTS, else SchedulerConfig's
+    default)."""
+    from services.scheduler.main import configure  # the scheduler's own flags, env and defaults
+
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--cohorts", type=int, default=None)
+    configure(parser)
     known, _ = parser.parse_known_args(list(scheduler_args))
-    if known.cohorts is not None:
-        return known.cohorts
-    return int(os.environ.get("DSPARK_SCHEDULER_COHORTS", "1"))
+    return known.cohorts
 
 
 def split_cores(use_drafter: bool, cohorts: int = 1, cores: int | None = None,

@@ -16,8 +16,9 @@
 # (default: the number of the phase this run trains, one more than the shipped drafter's
 # train_log_phaseN files + 1) orders the answers and anchors, so that each phase starts on answers
 # the phase before it did not reach first. LR (default 1e-3) is the peak learning rate after the
-# 30 warm-up steps: a phase that continues a trained drafter pays for a full warm restart (held-out
-# tau fell by 0.13 in the first 50 steps of a 400-step phase at 1e-3), so a short phase wants less.
+# WARMUP (default 30) warm-up steps: a phase that continues a trained drafter pays for a full warm
+# restart (held-out tau fell by 0.13 in the first 50 steps of a 400-step phase at 1e-3), so a short
+# phase wants less, and a longer warm-up lets Adam's fresh moment estimates settle first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 renice -n 10 $$ >/dev/null
@@ -37,7 +38,7 @@ T=$(.venv/bin/python -c "from dspark.fetch import ensure_model; print(ensure_mod
 exec .venv/bin/dspark train --data "$DATA" --target "$T" --out "$OUT" \
   --method markov --layers 2 --markov-rank 64 --gamma 7 --draft-vocab 8192 --inject-last-context \
   --output-norm-lr-scale 30 --init-from-drafter checkpoints/dspark-markov \
-  --steps "${STEPS:-800}" --warmup 30 --lr "${LR:-1e-3}" --batch 4 --anchors 128 \
+  --steps "${STEPS:-800}" --warmup "${WARMUP:-30}" --lr "${LR:-1e-3}" --batch 4 --anchors 128 \
   --target-dtype bfloat16 --student-dtype bfloat16 --teacher-cache --teacher-cache-gb 6 \
   --log-every 10 --save-every 50 --eval-every "${EVAL_EVERY:-200}" --eval-examples 64 --eval-anchors 64 \
   --threads "${THREADS:-1}" --seed "$SEED" --no-progress

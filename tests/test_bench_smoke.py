@@ -120,6 +120,9 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
         "train_step.py": ["--model-dir", t, "--data", str(p["data"]), "--init-layers", "1,2",
                           "--target-layers", "0,1,2", "--draft-vocab", "32", "--steps", "1",
                           "--warmup", "0", "--setups", "recipe,bf16-a128", *one],
+        "served_vs_teacher_forced.py": ["--model-dir", t, "--checkpoint", str(p["probe_drafter"]),
+                                        "--data", str(p["data"]), "--prompts", "2", "--max-tokens",
+                                        "12", *one],
         "drafter_attention_probe.py": ["--model-dir", t, "--checkpoint", str(p["probe_drafter"]),
                                        "--data", str(p["data"]), "--qk-scales", "1", *one],
     }[script]

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from target_decode import chat_prompts, cpu_description  # noqa: E402
+from dspark.cpu_info import cpu_description  # noqa: E402
+from target_decode import chat_prompts  # noqa: E402
 
 from dspark.admission import AdmissionPolicy  # noqa: E402
 from dspark.engine import Engine, EngineConfig  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from target_decode import cpu_description  # noqa: E402
+from dspark.cpu_info import cpu_description  # noqa: E402
 
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.runner import RunnerConfig, TargetRunner  # noqa: E402

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from target_decode import cpu_description  # noqa: E402
+from dspark.cpu_info import cpu_description  # noqa: E402
 
 from dspark.models.paged_attention import (build_cpu_kernel, cpu_kernel_available,  # noqa: E402
                                            paged_attention)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.cpu_info import cpu_description
 from dspark.fetch import ensure_model
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner, generate_greedy
 from dspark.models.transformer import AttentionImpl
@@ -49,31 +49,6 @@ def chat_prompts(tokenizer, count: int, eval_dir: Path = EVAL_PROMPTS_DIR) -> li
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                                add_generation_prompt=True, tokenize=True,
                                                return_dict=True)["input_ids"]) for t in texts]
-
-
-def cpu_description() -> dict:
-    """The CPU model and the vector flags that decide which kernels run."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
-    described = {"cpu": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
-    # Code paths capped below the CPU's (an AVX2-only CPU's paths on an AVX-512 one): torch's
-    # own kernels, oneDNN, MKL, and the runners' attention kernel (dspark.models.paged_attention).
-    caps = {name: os.environ[name] for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                "MKL_ENABLE_INSTRUCTIONS", "DSPARK_KERNEL_ISA_FLAGS")
-            if os.environ.get(name)}
-    if caps:
-        described["isa_caps"] = caps
-        described["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    return described
 
 
 def hf_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

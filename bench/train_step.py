@@ -34,7 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from target_decode import cpu_description  # noqa: E402
+from dspark.cpu_info import cpu_description  # noqa: E402
 
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.methods import DrafterKind  # noqa: E402

@@ -52,7 +52,6 @@ import argparse
 import enum
 import json
 import math
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,6 +61,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import torch
 
 from dspark.cost_table import ThetaObjective
+from dspark.cpu_info import cpu_description
 from dspark.methods import checkpoint_folder, parse_names
 from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
@@ -664,7 +664,8 @@ def run(args: argparse.Namespace) -> int:
             run_wave(setup, n, c, first[:c], 0.0, min(args.warmup_tokens, args.max_tokens), args,
                      args.seed, None)
 
-    print(f"CPU: {platform.processor() or platform.machine()}, torch threads: "
+    cpu = cpu_description()
+    print(f"CPU: {cpu['cpu']}, {cpu['cores']} cores, flags {' '.join(cpu['flags'])}; torch threads: "
           f"{torch.get_num_threads()}, dtype: {args.dtype}")
     tables = []
     for temperature in temperatures:

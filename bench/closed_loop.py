@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dspark.cpu_info import cpu_description  # noqa: E402
 from target_decode import chat_prompts  # noqa: E402
 
 from dspark.admission import AdmissionPolicy  # noqa: E402
+from dspark.cpu_info import cpu_description  # noqa: E402
 from dspark.engine import Engine, EngineConfig  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.runner import RunnerConfig, TargetRunner  # noqa: E402

@@ -24,7 +24,7 @@ import torch
 
 from dspark.admission import AdmissionConfig, Admitter, survival_probs
 from dspark.cost_table import CostTable
-from dspark.cpu_info import cpu_description
+from dspark.cpu_info import cpu_line
 from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify, verify_reference
 from dspark.sampling import SamplingParams
 
@@ -174,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     admission = bench_admission(args.requests, args.gamma, args.repeats, args.seed)
     verification = bench_verify(args.verify_requests, args.verify_gamma, args.vocab, args.sparse_k,
                                 args.verify_repeats, args.seed)
-    cpu = cpu_description()
-    print(f"CPU: {cpu['cpu']}, {cpu['cores']} cores, flags {' '.join(cpu['flags'])}; "
-          f"torch threads: {torch.get_num_threads()}")
+    print(f"CPU: {cpu_line()}; torch threads: {torch.get_num_threads()}")
     print(f"\nAdmission, {args.requests} requests x gamma={args.gamma} (median of {args.repeats})\n")
     print("| op | median ms | verified tokens |\n|---|---|---|")
     for row in admission:

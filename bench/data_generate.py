@@ -15,21 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dspark.cpu_info import cpu_description  # noqa: E402
-
-from dspark.fetch import ensure_model  # noqa: E402
-from dspark.models.runner import RunnerConfig, TargetRunner  # noqa: E402
-from dspark.models.transformer import AttentionImpl  # noqa: E402
-from dspark.sampling import SamplingParams  # noqa: E402
-from dspark.paths import TRAIN_PROMPTS_DIR  # noqa: E402
-from dspark.training.data import encode_chat, generate_answers, select_prompts  # noqa: E402
+from dspark.cpu_info import cpu_description
+from dspark.fetch import ensure_model
+from dspark.models.runner import RunnerConfig, TargetRunner
+from dspark.models.transformer import AttentionImpl
+from dspark.sampling import SamplingParams
+from dspark.paths import TRAIN_PROMPTS_DIR
+from dspark.training.data import encode_chat, generate_answers, select_prompts
 
 
 def main() -> int:

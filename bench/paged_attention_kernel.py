@@ -25,7 +25,6 @@ import hashlib
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,12 +32,12 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dspark.cpu_info import cpu_description  # noqa: E402
-
-from dspark.models.paged_attention import (build_cpu_kernel, cpu_kernel_available,  # noqa: E402
+from dspark.cpu_info import cpu_description
+from dspark.models.paged_attention import (build_cpu_kernel, cpu_kernel_available,
                                            paged_attention)
-from dspark.paths import REPO_ROOT  # noqa: E402
+from dspark.paths import REPO_ROOT
+
+
 KERNEL_SOURCE = "dspark/models/csrc/paged_attention.cpp"
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.cpu_info import cpu_description
+from dspark.cpu_info import cpu_description, cpu_line
 from dspark.fetch import ensure_model
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner, generate_greedy
 from dspark.models.transformer import AttentionImpl
@@ -179,7 +179,7 @@ def main() -> int:
         del hf, ours, base
 
     cpu = cpu_description()
-    print(f"CPU: {cpu['cpu']}, {cpu['cores']} cores, flags {' '.join(cpu['flags'])}; "
+    print(f"CPU: {cpu_line(cpu)}; "
           f"torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}\n")
     print("| dtype | streams | gen tok/s: transformers | base | ours | ours/HF | ours/base | "
           "decode tok/s (GFLOP/s) | prefill tok/s | decode/prefill | verify tok/s |")

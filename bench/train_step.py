@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -33,12 +32,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dspark.cpu_info import cpu_description  # noqa: E402
-
-from dspark.fetch import ensure_model  # noqa: E402
-from dspark.methods import DrafterKind  # noqa: E402
-from dspark.training.trainer import TrainConfig, Trainer  # noqa: E402
+from dspark.cpu_info import cpu_description
+from dspark.fetch import ensure_model
+from dspark.methods import DrafterKind
+from dspark.training.trainer import TrainConfig, Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 SETUPS = {

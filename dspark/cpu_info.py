@@ -36,3 +36,9 @@ def cpu_description() -> dict:
         described["isa_caps"] = caps
         described["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return described
+
+
+def cpu_line(described: dict | None = None) -> str:
+    """'<model>, <cores> cores, flags <flags>': the line a benchmark prints beside its numbers."""
+    cpu = cpu_description() if described is None else described
+    return f"{cpu['cpu']}, {cpu['cores']} cores, flags {' '.join(cpu['flags'])}"

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import torch
 
 from dspark.cost_table import ThetaObjective
-from dspark.cpu_info import cpu_description
+from dspark.cpu_info import cpu_line
 from dspark.methods import checkpoint_folder, parse_names
 from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
@@ -664,9 +664,7 @@ def run(args: argparse.Namespace) -> int:
             run_wave(setup, n, c, first[:c], 0.0, min(args.warmup_tokens, args.max_tokens), args,
                      args.seed, None)
 
-    cpu = cpu_description()
-    print(f"CPU: {cpu['cpu']}, {cpu['cores']} cores, flags {' '.join(cpu['flags'])}; torch threads: "
-          f"{torch.get_num_threads()}, dtype: {args.dtype}")
+    print(f"CPU: {cpu_line()}; torch threads: {torch.get_num_threads()}, dtype: {args.dtype}")
     tables = []
     for temperature in temperatures:
         for c in concurrencies:

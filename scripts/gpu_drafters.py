@@ -89,6 +89,33 @@ def prepare_target(args: argparse.Namespace, folder: Path) -> None:
             shutil.copy(args.tokenizer_dir / name, folder / name)
 
 
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the target comes from (prepare_target reads these)."""
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--gguf", default=None, help="the target as GGUF (dequantised here)")
+    source.add_argument("--target-dir", type=Path, default=None,
+                        help="the target as a transformers folder")
+    p.add_argument("--tokenizer-dir", type=Path, required=True,
+                   help="the converted target folder's config and tokenizer files")
+    p.add_argument("--expect-digest", default=None)
+
+
+def start_run(args: argparse.Namespace) -> Path:
+    """Log the device, allow TF32 products, make --work and --out, write the target into
+    work/target (returned)."""
+    t0 = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    log(f"torch {torch.__version__}, cuda {torch.cuda.is_available()} "
+        f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    target = args.work / "target"
+    prepare_target(args, target)
+    log(f"target ready ({time.perf_counter() - t0:.0f} s)")
+    return target
+
+
 def synthetic_data(path: Path, n: int, vocab: int) -> None:
     g = torch.Generator().manual_seed(0)
     with open(path, "w") as f:
@@ -158,15 +185,10 @@ def pack(work: Path, out: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--gguf", default=None, help="the target as GGUF (dequantised here)")
-    source.add_argument("--target-dir", type=Path, default=None,
-                        help="the target as a transformers folder")
-    p.add_argument("--tokenizer-dir", type=Path, required=True)
+    add_target_arguments(p)
     p.add_argument("--prompts", type=Path, required=True, help="training prompt folder")
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--expect-digest", default=None)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--num-prompts", type=int, default=16000)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -189,15 +211,7 @@ def main() -> int:
         p.error("give --gguf or --target-dir (or --smoke)")
 
     t0 = time.perf_counter()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    log(f"torch {torch.__version__}, cuda {torch.cuda.is_available()} "
-        f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}")
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    target = args.work / "target"
-    prepare_target(args, target)
-    log(f"target ready ({time.perf_counter() - t0:.0f} s)")
+    target = start_run(args)
 
     # ---- data -----------------------------------------------------------------------------------
     (args.work / "data").mkdir(exist_ok=True)

@@ -11,15 +11,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CAMPAIGN=${CAMPAIGN:-$HOME/.cache/dspark/campaign}
-RUN=$CAMPAIGN/dspark-markov
+RUN=${RUN:-$CAMPAIGN/dspark-markov}
 DEST=checkpoints/dspark-markov
-[ -f "$RUN/checkpoint/trainer_state.pt" ] || { echo "no campaign checkpoint in $RUN" >&2; exit 1; }
+[ -f "$RUN/checkpoint/trainer_state.pt" ] || [ -f "$RUN/model.safetensors" ] || {
+  echo "no campaign checkpoint or drafter in $RUN" >&2; exit 1; }
 last=$(ls "$DEST" | sed -n 's/^train_log_phase\([0-9]*\)\.jsonl$/\1/p' | sort -n | tail -1)
 phase=$(( ${last:-0} + 1 ))
 for name in train_config.json train_log.jsonl heldout_log.jsonl; do
   [ -f "$DEST/$name" ] && mv "$DEST/$name" "$DEST/${name%%.*}_phase$phase.${name#*.}"
 done
-.venv/bin/python scripts/export_drafter.py "$RUN" "$DEST"
+if [ -f "$RUN/checkpoint/trainer_state.pt" ]; then
+  .venv/bin/python scripts/export_drafter.py "$RUN" "$DEST"
+else
+  for name in model.safetensors config.json train_config.json train_log.jsonl heldout_log.jsonl; do
+    cp "$RUN/$name" "$DEST/$name"
+  done
+fi
 .venv/bin/dspark calibrate --checkpoint "$DEST" --data data/smollm2_answers.jsonl.gz \
   --temperature 0,1 --max-tokens 128 --limit "${CALIBRATION_PROMPTS:-48}" --max-running 16 \
   --threads "${THREADS:-2}" 2>&1 | grep -v "it/s" | tee docs/results/dspark_calibrate_heldout.txt

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_drafters import PART_BYTES, add_target_arguments, log, start_run, sync  # noqa: E402
+from gpu_drafters import add_target_arguments, log, start_run, sync, tar_in_parts  # noqa: E402
 from dspark.models.drafter_io import save_drafter  # noqa: E402
 from dspark.training.train_cli import config_from_args, configure  # noqa: E402
 from dspark.training.trainer import Trainer  # noqa: E402
@@ -69,24 +68,7 @@ def pack_drafter(trainer: Trainer, out: Path, work: Path) -> int:
     for name in RUN_FILES:
         if (trainer.out_dir / name).exists():
             shutil.copyfile(trainer.out_dir / name, folder / name)
-    tar = work / "drafter.tar"
-    subprocess.run(["tar", "-cf", str(tar), "-C", str(work), folder.name], check=True)
-    blob = tar.read_bytes()
-    for old in out.glob("drafter.tar.part*"):
-        old.unlink()
-    for i in range(0, len(blob), PART_BYTES):
-        part = out / f"drafter.tar.part{i // PART_BYTES:02d}"
-        part.with_suffix(".tmp").write_bytes(blob[i:i + PART_BYTES])
-        part.with_suffix(".tmp").rename(part)
-    return len(blob)
-
-
-def write_log_record(trainer: Trainer, terms, grad_norm: float, start: float) -> None:
-    record = {"step": trainer.step, "lr": trainer.scheduler.get_last_lr()[0],
-              "grad_norm": round(grad_norm, 4), "elapsed_s": round(time.perf_counter() - start, 2),
-              **terms.as_dict()}
-    with open(trainer.log_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    return tar_in_parts(work, folder.name, out, "drafter")
 
 
 def main() -> int:
@@ -141,7 +123,7 @@ def main() -> int:
     sync()
     t = time.perf_counter()
     for _ in range(args.timing_steps):
-        terms, grad_norm = trainer.train_step()
+        trainer.train_step()
     sync()
     step_s = (time.perf_counter() - t) / args.timing_steps
     pack_s = 5.0
@@ -160,7 +142,7 @@ def main() -> int:
     while trainer.step < cfg.steps:
         terms, grad_norm = trainer.train_step()
         if trainer.step % cfg.log_every == 0 or trainer.step == cfg.steps:
-            write_log_record(trainer, terms, grad_norm, start)
+            trainer.log_step(terms, grad_norm, start)
         late = time.perf_counter() > deadline - args.reserve_s
         if trainer.step in eval_at or late:
             record = trainer.log_heldout()

@@ -175,12 +175,23 @@ def pack(work: Path, out: Path) -> None:
         with open(data, "rb") as src, lzma.open(work / "runs" / (data.name + ".xz"), "wb",
                                                 preset=6) as dst:
             shutil.copyfileobj(src, dst)
-    tar = work / "bundle.tar"
-    subprocess.run(["tar", "-cf", str(tar), "-C", str(work), "runs"], check=True)
+    size = tar_in_parts(work, "runs", out, "bundle")
+    log(f"packed {size / 2**20:.1f} MiB into {(size + PART_BYTES - 1) // PART_BYTES} parts")
+
+
+def tar_in_parts(work: Path, folder: str, out: Path, stem: str) -> int:
+    """work/folder as one tar, written to out/<stem>.tar.partNN in PART_BYTES pieces (each
+    renamed into place whole; earlier parts of that name removed); returns the tar's bytes."""
+    tar = work / f"{stem}.tar"
+    subprocess.run(["tar", "-cf", str(tar), "-C", str(work), folder], check=True)
     blob = tar.read_bytes()
+    for old in out.glob(f"{stem}.tar.part*"):
+        old.unlink()
     for i in range(0, len(blob), PART_BYTES):
-        (out / f"bundle.tar.part{i // PART_BYTES:02d}").write_bytes(blob[i:i + PART_BYTES])
-    log(f"packed {len(blob) / 2**20:.1f} MiB into {(len(blob) + PART_BYTES - 1) // PART_BYTES} parts")
+        part = out / f"{stem}.tar.part{i // PART_BYTES:02d}"
+        part.with_suffix(".tmp").write_bytes(blob[i:i + PART_BYTES])
+        part.with_suffix(".tmp").rename(part)
+    return len(blob)
 
 
 def main() -> int:

@@ -552,25 +552,29 @@ class Trainer:
         start = time.perf_counter()
         if self.heldout is not None and not self._heldout_logged_at(self.step):
             self.log_heldout()  # the curve's first point: the drafter it starts from
-        with open(self.log_path, "a") as log:
-            while self.step < cfg.steps:
-                terms, grad_norm = self.train_step()
-                bar.update(1)
-                bar.set_postfix(loss=f"{float(terms.total.detach()):.3f}", tau=f"{terms.expected_tau:.2f}")
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0],
-                              "grad_norm": round(grad_norm, 4),
-                              "elapsed_s": round(time.perf_counter() - start, 2), **terms.as_dict()}
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                if self.heldout is not None and (self.step % cfg.eval_every == 0
-                                                 or self.step == cfg.steps):
-                    self.log_heldout()
-                if self.step % cfg.save_every == 0 or self.step == cfg.steps:
-                    self.save_checkpoint()
+        while self.step < cfg.steps:
+            terms, grad_norm = self.train_step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(terms.total.detach()):.3f}", tau=f"{terms.expected_tau:.2f}")
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                self.log_step(terms, grad_norm, start)
+            if self.heldout is not None and (self.step % cfg.eval_every == 0
+                                             or self.step == cfg.steps):
+                self.log_heldout()
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                self.save_checkpoint()
         bar.close()
         save_drafter(self.model, self.out_dir, dtype=getattr(torch, cfg.save_dtype))
         return self.out_dir
+
+    def log_step(self, terms: LossTerms, grad_norm: float, start: float) -> None:
+        """Append this step's losses, learning rate and grad norm to train_log.jsonl (`start`:
+        the perf_counter the run's elapsed_s counts from)."""
+        record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0],
+                  "grad_norm": round(grad_norm, 4),
+                  "elapsed_s": round(time.perf_counter() - start, 2), **terms.as_dict()}
+        with open(self.log_path, "a") as log:
+            log.write(json.dumps(record) + "\n")
 
     def log_heldout(self) -> dict[str, Any]:
         """Append the held-out acceptance now to heldout_log.jsonl (one learning-curve point)."""

@@ -108,6 +108,8 @@ class RowSpec:
     objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
     """What engine rows' admission maximises (EngineConfig.objective; only async_topk and
     sync_greedy read it)."""
+    drafter_dtype: str | None = None
+    """The drafter's dtype; None: `dspark.loading.drafter_dtype`'s choice, as served."""
 
 
 ROWS: dict[str, RowSpec] = {r.name: r for r in (
@@ -117,6 +119,8 @@ ROWS: dict[str, RowSpec] = {r.name: r for r in (
     RowSpec("dspark", "DSpark (async_topk)", RowKind.ENGINE, "dspark", "async_topk"),
     RowSpec("dspark-paper", "DSpark (async_topk, drafting taken as free)", RowKind.ENGINE, "dspark",
             "async_topk", ThetaObjective.PAPER),
+    RowSpec("dspark-fp32-drafter", "DSpark (async_topk, float32 drafter)", RowKind.ENGINE,
+            "dspark", "async_topk", drafter_dtype="float32"),
     RowSpec("dspark-sync", "DSpark (sync_greedy)", RowKind.ENGINE, "dspark", "sync_greedy"),
     RowSpec("dspark-full", "DSpark (full block)", RowKind.ENGINE, "dspark", FULL_BLOCK),
     RowSpec("hf-generate", "transformers generate", RowKind.HF_GENERATE),
@@ -427,17 +431,20 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
                     runners[layer_ids] = TargetRunner(config=RunnerConfig(
                         dtype=args.dtype, hidden_layer_ids=layer_ids, kv_cache_tokens=kv_tokens),
                         model=base.model)
-                if folder not in drafters:
-                    drafters[folder] = load_method_drafter(folder, runners[layer_ids],
-                                                           apply_calibration=True)
+                key = (folder, spec.drafter_dtype)
+                if key not in drafters:
+                    drafters[key] = load_method_drafter(
+                        folder, runners[layer_ids], apply_calibration=True,
+                        dtype=None if spec.drafter_dtype is None else getattr(torch, spec.drafter_dtype))
             except ValueError as e:
                 status[name], notes[name] = "error", str(e)
                 _log(f"{name}: cannot load {folder}: {e}")
                 continue
-            drafter = drafters[folder]
+            drafter = drafters[key]
             if policy == FULL_BLOCK:
                 policy = f"fixed:{drafter.gamma}"
-            notes[name] = f"{policy}, gamma {drafter.gamma}"
+            drafter_dtype = str(drafter.fc.weight.dtype).removeprefix("torch.")
+            notes[name] = f"{policy}, gamma {drafter.gamma}, {drafter_dtype} drafter"
             if spec.policy in ("async_topk", "sync_greedy"):  # the policies that read confidences
                 calibrated = load_calibration(folder) is not None
                 notes[name] += ", STS calibrated" if calibrated else ", no calibration.json"
@@ -624,7 +631,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"rows to run, from {','.join(ROWS)}")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="of the target, drafters and the transformers peers alike")
+                        help="of the target and the transformers peers (the drafter: dspark.loading.drafter_dtype)")
     parser.add_argument("--sparse-top-k", type=int, default=None,
                         help="engine: ship draft distributions as top-k (default dense)")
     parser.add_argument("--cost-table", type=Path, default=None,

@@ -2,7 +2,8 @@
 
 `plan_rows` groups the requests once per call (`RowPlan`): sparse rows (greedy: k = 1; a top_k
 parameter or drafter-side truncation: k) draw from the renormalised top-k of their logits, dense
-rows from the full (draft) vocabulary. `sample_block_position` then draws position k for all of
+rows from the full draft vocabulary (returned sparse over it when it is reduced: its V_d target
+ids are the support). `sample_block_position` then draws position k for all of
 them from the uniforms `draw_uniforms` took from each request's own generator, and
 `assemble_blocks` turns the positions into one `DraftBlock` per request.
 
@@ -143,7 +144,7 @@ def draw_uniforms(requests: Sequence[DraftRequest], count: int, device: torch.de
 
 
 def assemble_blocks(plan: RowPlan, samples: Sequence[PositionSample], confidences: torch.Tensor,
-                    draft_to_target: torch.Tensor | None, vocab_size: int) -> list[DraftBlock]:
+                    draft_to_target: torch.Tensor | None) -> list[DraftBlock]:
     """Per-position samples (n of them, n <= gamma) and confidences [R, n] -> one DraftBlock each
     (`gamma` below is the n positions drafted)."""
     R, gamma = plan.num_rows, len(samples)
@@ -161,11 +162,10 @@ def assemble_blocks(plan: RowPlan, samples: Sequence[PositionSample], confidence
             blocks[r] = DraftBlock(tokens[r], probs[i, :, :k], confidences[r], indices[i, :, :k])
     if plan.dense_rows:
         probs = torch.stack([s.dense_probs for s in samples], dim=1).float()  # [n, gamma, V_d]
-        if draft_to_target is not None:
-            full = probs.new_zeros(probs.shape[0], gamma, vocab_size)
-            full[:, :, draft_to_target] = probs
-            probs = full
+        # A reduced draft vocabulary is the support of every dense row: the block is returned
+        # sparse over it ([gamma, V_d] target ids, shared), not written out over the target's V.
+        support = None if draft_to_target is None else draft_to_target.expand(gamma, -1)
         for i, r in enumerate(plan.dense_rows):
-            blocks[r] = DraftBlock(tokens[r], probs[i], confidences[r])
+            blocks[r] = DraftBlock(tokens[r], probs[i], confidences[r], support)
     return blocks  # type: ignore[return-value]
 

@@ -407,7 +407,7 @@ class DSparkDrafter(FrozenTargetHead):
             samples.append(sample)
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
         return assemble_blocks(plan, samples, torch.stack(confidences, dim=1),
-                               self.draft_to_target if reduced else None, cfg.vocab_size)
+                               self.draft_to_target if reduced else None)
 
 
 def training_mask(anchors: torch.Tensor, seq_len: int, gamma: int) -> torch.Tensor:

@@ -302,4 +302,4 @@ class EagleDrafter(FrozenTargetHead):
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
             hidden = out
         return assemble_blocks(plan, samples, torch.stack(confidences, dim=1),
-                               self.draft_to_target if reduced else None, cfg.vocab_size)
+                               self.draft_to_target if reduced else None)

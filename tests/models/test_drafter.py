@@ -356,10 +356,13 @@ def test_reduced_draft_vocabulary_keeps_the_distribution_exact():
         dense = block.dense(VOCAB)
         assert float(dense[:, outside].abs().max()) == 0.0
         assert torch.allclose(dense.sum(1), torch.ones(GAMMA))
-    # Dense p^d equals softmax over the draft vocabulary of the teacher-forced logits.
+    # The plain-sampled block is returned over the draft vocabulary as its support, and p^d
+    # equals softmax over the draft vocabulary of the teacher-forced logits.
+    assert torch.equal(blocks[0].indices, draft_ids.expand(GAMMA, -1))
     logits, _ = teacher_forced(model, ids, feats, 8, blocks[0].tokens)
     assert logits.shape == (GAMMA, draft_ids.numel())
-    assert torch.allclose(blocks[0].probs[:, draft_ids], torch.softmax(logits, -1), atol=1e-6)
+    assert torch.allclose(blocks[0].probs, torch.softmax(logits, -1), atol=1e-6)
+    assert torch.allclose(blocks[0].dense(VOCAB)[:, draft_ids], torch.softmax(logits, -1), atol=1e-6)
     assert bool(torch.isin(blocks[1].indices, draft_ids).all())
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The target answers training prompts for the drafter, in the background and resumably: about
-# 12,500 prompts greedy, then about 13,000 at T=1 (top-k and top-p off), 128 answers in flight,
+# 12,500 prompts greedy, then about 17,700 at T=1 (top-k and top-p off: every training prompt no
+# other file answered, nl2bash and nq_open capped by the source weights), 128 answers in flight,
 # one thread at a low CPU priority (nice 10, as the drafter campaign) so the machine stays usable. DTYPE (default bfloat16)
 # sets the target's dtype: bf16 doubles the rate on a CPU with AMX-BF16 (bench/data_generate.py);
 # every record says which dtype wrote it (the greedy file's first 7,124 answers are float32). Every answer is
@@ -18,5 +19,5 @@ EXCLUDE=(--exclude data/smollm2_answers.jsonl.gz --exclude data/smollm2_answers_
 COMMON=(--max-new-tokens 256 --batch-size 128 --dtype "${DTYPE:-bfloat16}" --threads 1)
 .venv/bin/dspark data generate --out data/answers/greedy.jsonl.gz --num-prompts 12500 "${COMMON[@]}" --temperature 0 \
   --seed 11 "${EXCLUDE[@]}" --exclude data/answers/t1.jsonl.gz
-.venv/bin/dspark data generate --out data/answers/t1.jsonl.gz --num-prompts 13000 "${COMMON[@]}" --temperature 1 \
+.venv/bin/dspark data generate --out data/answers/t1.jsonl.gz --num-prompts 40000 "${COMMON[@]}" --temperature 1 \
   --top-p 1 --top-k 0 --seed 12 "${EXCLUDE[@]}" --exclude data/answers/greedy.jsonl.gz

@@ -295,6 +295,8 @@ def run_generation(config: DataGenConfig) -> dict:
         print(f"{config.out}: an earlier run was cut off; kept its complete records", flush=True)
     done = {r["id"] for path in (config.out, *config.exclude) for r in read_records(path)}
     todo = [p for p in prompts if p.id not in done]
+    if not todo:  # nothing to answer: leave the file as it is (an append adds an empty gzip member)
+        return summarize(config.out)
     by_id = {p.id: p for p in todo}
     encoded = [(p.id, encode_chat(tokenizer, p.text)) for p in todo]
     prompt_ids = dict(encoded)

@@ -193,7 +193,7 @@ def test_cli_samples_as_told_and_skips_prompts_of_excluded_files(tmp_path, smoll
                            + "\n" for i in (0, 2, 4)))
     parser = argparse.ArgumentParser()
     data.configure(parser)
-    out = tmp_path / "new.jsonl"
+    out = tmp_path / "new.jsonl.gz"
     args = parser.parse_args(["generate", "--model-dir", str(smollm2_dir), "--train-dir",
                               str(prompts_dir), "--out", str(out), "--num-prompts", "6",
                               "--max-new-tokens", "3", "--batch-size", "4", "--temperature", "0",
@@ -203,6 +203,10 @@ def test_cli_samples_as_told_and_skips_prompts_of_excluded_files(tmp_path, smoll
     assert sorted(r["id"] for r in records) == ["gsm8k-1", "gsm8k-3", "gsm8k-5"]
     # each record says how it was sampled, and by weights of which dtype
     assert all(r["temperature"] == 0.0 and r["dtype"] == "float32" for r in records)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["answers"] == 3
+    written = out.read_bytes()
+    assert data.run(args) == 0  # every prompt answered: a run again leaves the file as it is
+    assert out.read_bytes() == written
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["answers"] == 3
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     for r in records:

@@ -24,6 +24,7 @@ import torch
 from dspark.admission import AdmissionPolicy
 from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
 from dspark.cost_table import CostTable
+from dspark.cpu_info import cpu_description
 from dspark.engine import Engine, EngineConfig
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import AnyDrafter, load_drafter
@@ -72,6 +73,15 @@ def has_confidence_head(drafter: AnyDrafter) -> bool:
     return getattr(drafter, "confidence_head", None) is not None
 
 
+def cpu_multiplies_bf16(device: torch.device | str) -> bool:
+    """A CPU device whose oneDNN runs bf16 products on bf16 instructions (AVX512-BF16 or AMX-BF16;
+    on a plain AVX-512 CPU oneDNN reports bf16 support but converts to float32 to multiply)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    flags = set(cpu_description()["flags"])
+    return bool(flags & {"avx512_bf16", "amx_bf16"}) and bf16_packing_supported()
+
+
 def drafter_dtype(runner: TargetRunner) -> torch.dtype:
     """The dtype a drafter serving this runner computes in: bf16 on a CPU with native bf16
     products when the target runs in float32, the target's dtype otherwise.
@@ -81,9 +91,7 @@ def drafter_dtype(runner: TargetRunner) -> torch.dtype:
     such a CPU: `bench/draft_step.py` on an AVX512-BF16 EPYC, one thread, 8 T=1 requests,
     23.6 ms a round in float32 against 19.7 in bf16 (products 14.5 against 8.5 ms); on an
     AVX2-only CPU bf16 products are emulated and slower, so the drafter keeps float32 there."""
-    native_bf16 = (torch.device(runner.device).type == "cpu" and torch.backends.mkldnn.is_available()
-                   and bf16_packing_supported())
-    if runner.dtype == torch.float32 and native_bf16:
+    if runner.dtype == torch.float32 and cpu_multiplies_bf16(runner.device):
         return torch.bfloat16
     return runner.dtype
 

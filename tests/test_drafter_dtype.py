@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 
 from dspark.cost_table import CostTable
 from dspark.engine import Engine, EngineConfig
+from dspark.cpu_info import cpu_description
 from dspark.loading import drafter_dtype, load_method_drafter, load_target
 from dspark.models.packed_linear import bf16_packing_supported
 from dspark.sampling import SamplingParams
@@ -28,7 +29,8 @@ def bf16_drafter_engine(tiny_models, policy: str) -> Engine:
 
 def test_drafter_dtype_follows_the_cpu_under_a_float32_target(tiny_models):
     runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=1024, dtype="float32")
-    expected = torch.bfloat16 if bf16_packing_supported() else torch.float32
+    native = bool({"avx512_bf16", "amx_bf16"} & set(cpu_description()["flags"]))
+    expected = torch.bfloat16 if native and bf16_packing_supported() else torch.float32
     assert drafter_dtype(runner) == expected
     assert load_method_drafter(tiny_models.drafter_dir, runner).fc.weight.dtype == expected
     explicit = load_method_drafter(tiny_models.drafter_dir, runner, dtype=torch.float32)

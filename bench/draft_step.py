@@ -25,6 +25,7 @@ import torch
 from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_breakdown import ATTENTION_OPS, MATMUL_OPS  # noqa: E402
 from target_decode import chat_prompts  # noqa: E402
 
 from dspark.cpu_info import cpu_line  # noqa: E402
@@ -35,11 +36,6 @@ from dspark.models.drafter_config import DrafterConfig  # noqa: E402
 from dspark.models.runner import ForwardItem  # noqa: E402
 from dspark.paths import DEFAULT_DRAFTER, EVAL_PROMPTS_DIR  # noqa: E402
 from dspark.sampling import SamplingParams  # noqa: E402
-
-MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
-              "aten::matmul", "aten::bmm")
-ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                 "aten::_scaled_dot_product_attention_math", "aten::scaled_dot_product_attention")
 
 
 def prompt_features(runner, prompts: list[list[int]]) -> list[torch.Tensor]:

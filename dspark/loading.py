@@ -28,7 +28,7 @@ from dspark.cpu_info import cpu_description
 from dspark.engine import Engine, EngineConfig
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import AnyDrafter, load_drafter
-from dspark.models.packed_linear import bf16_packing_supported
+from dspark.models.packed_linear import packing_available
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.step_timing import startup_cost_table
 from dspark.verifier import TargetVerifier
@@ -76,10 +76,9 @@ def has_confidence_head(drafter: AnyDrafter) -> bool:
 def cpu_multiplies_bf16(device: torch.device | str) -> bool:
     """A CPU device whose oneDNN runs bf16 products on bf16 instructions (AVX512-BF16 or AMX-BF16;
     on a plain AVX-512 CPU oneDNN reports bf16 support but converts to float32 to multiply)."""
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+    if not packing_available(device, torch.bfloat16):  # a CPU whose oneDNN reports bf16 support
         return False
-    flags = set(cpu_description()["flags"])
-    return bool(flags & {"avx512_bf16", "amx_bf16"}) and bf16_packing_supported()
+    return bool(set(cpu_description()["flags"]) & {"avx512_bf16", "amx_bf16"})
 
 
 def drafter_dtype(runner: TargetRunner) -> torch.dtype:

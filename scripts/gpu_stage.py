@@ -313,7 +313,8 @@ def run_phase(arguments: list[str], site: Path | None = None) -> int:
 
 def smoke(args: argparse.Namespace) -> int:
     unpack_base(args.stage)
-    out = Path(args.out or os.environ.get("OUT", "/tmp/out")) / "smoke"
+    # Its drafter stays on the device: the log (the call's output) is what the smoke shows.
+    out = Path(args.out) if args.out else Path("/root/work_smoke/out")
     return run_phase([*phase_arguments(args.stage), "--smoke", "--work", "/root/work_smoke",
                       "--out", str(out), "--budget-s", "60", "--reserve-s", "10", "--seed", "0",
                       "--evals", "1", "--timing-steps", "3", "--max-steps", "10",
@@ -350,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   ("train", train, "join the target and run the phase")):
         d = sub.add_parser(name, help=help_text)
         d.add_argument("--stage", type=Path, default=STAGE_DIR)
-        d.add_argument("--out", default=None, help="default: $OUT")
+        d.add_argument("--out", default=None,
+                       help="train: the phase's drafter goes to OUT/phase (default $OUT); "
+                            "smoke: default /root/work_smoke/out")
         d.add_argument("--device", default="cuda")
         if name == "receive":
             d.add_argument("call")

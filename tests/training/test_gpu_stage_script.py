@@ -134,3 +134,16 @@ def test_train_runs_the_phase_on_the_staged_files(staged, tmp_path, monkeypatch)
     assert flags["--init-from-drafter"] == str(stage_dir / "drafter")
     assert flags["--out"] == str(tmp_path / "o" / "phase")
     assert arguments[-4:] == ["--seed", "10", "--budget-s", "480"]
+
+
+def test_smoke_runs_before_the_target_has_arrived(staged, tmp_path, monkeypatch):
+    _, _, calls, _ = staged
+    stage_dir = tmp_path / "stage"
+    gpu_stage.receive(gpu_stage.parse_args(["receive", "--stage", str(stage_dir), str(calls[0])]))
+    ran = []
+    monkeypatch.setattr(gpu_stage, "run_phase", lambda arguments, site=None: ran.append(arguments) or 0)
+    args = gpu_stage.parse_args(["smoke", "--stage", str(stage_dir), "--out", str(tmp_path / "s")])
+    assert args.func(args) == 0
+    (arguments,) = ran
+    assert "--smoke" in arguments and "--gguf" not in arguments
+    assert arguments[arguments.index("--init-from-drafter") + 1] == str(stage_dir / "drafter")

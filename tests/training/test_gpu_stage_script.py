@@ -147,3 +147,19 @@ def test_smoke_runs_before_the_target_has_arrived(staged, tmp_path, monkeypatch)
     (arguments,) = ran
     assert "--smoke" in arguments and "--gguf" not in arguments
     assert arguments[arguments.index("--init-from-drafter") + 1] == str(stage_dir / "drafter")
+
+
+def test_the_answer_files_are_the_drafter_campaigns_in_its_order():
+    """gpu_stage.answer_files restates scripts/drafter_campaign.sh's DATA (the CPU campaign reads
+    copies of the growing files under $CAMPAIGN as <name>_answers.jsonl.gz)."""
+    script = (REPO / "scripts" / "drafter_campaign.sh").read_text()
+    data = []
+    for line in script.splitlines():
+        if line.startswith("DATA="):
+            data += [p for p in line.removeprefix("DATA=").split(",") if p != "$DATA"]
+    shared = Path("/shared")
+    expected = [p.replace("$CAMPAIGN/", "data/answers/").replace("_answers.jsonl.gz", ".jsonl.gz")
+                if p.startswith("$CAMPAIGN/") else p for p in data]
+    expected = [p.replace("$SHARED", str(shared)) if p.startswith("$SHARED") else str(REPO / p)
+                for p in expected]
+    assert [str(p) for p in gpu_stage.answer_files(shared)] == expected

@@ -683,6 +683,9 @@ class CalibrationReport:
     num_bins: int
     biases: list[float]
     """The calibration's shifts b_k (all zero: plain STS)."""
+    ece_crossfit: list[float] | None = None
+    """Per position, the ECE of fits on rounds they were not fitted on (``crossfit_ece``);
+    None unless asked for."""
 
     @property
     def mean_ece_before(self) -> float:
@@ -700,26 +703,30 @@ class CalibrationReport:
             "biases": list(self.biases),
             "mean_ece_before": self.mean_ece_before,
             "mean_ece_after": self.mean_ece_after,
+            "ece_crossfit": None if self.ece_crossfit is None else list(self.ece_crossfit),
             "positions": [dataclasses.asdict(p) for p in self.positions],
         }
 
     def format_table(self) -> str:
+        crossfit = self.ece_crossfit is not None
         header = (
             f"{'pos':>3} {'T':>7} {'shift':>7} {'at_risk':>8} {'surv':>6} {'ECE raw':>8} {'ECE sts':>8} "
-            f"{'floor':>6} "
-            f"{'AUC':>6} {'Brier raw':>9} {'Brier sts':>9}"
+            + (f"{'ECE cv':>7} " if crossfit else "")
+            + f"{'floor':>6} {'AUC':>6} {'Brier raw':>9} {'Brier sts':>9}"
         )
         lines = [header]
-        for p, t, b in zip(self.positions, self.temperatures, self.biases):
+        for i, (p, t, b) in enumerate(zip(self.positions, self.temperatures, self.biases)):
             lines.append(
                 f"{p.position:>3} {t:>7.3f} {b:>+7.3f} {p.num_at_risk:>8d} {p.observed_survival:>6.3f} "
                 f"{100 * p.ece_before:>7.2f}% {100 * p.ece_after:>7.2f}% "
-                f"{100 * p.ece_floor_after:>5.2f}% {p.auc_conditional:>6.3f} "
+                + (f"{100 * self.ece_crossfit[i]:>6.2f}% " if crossfit else "")
+                + f"{100 * p.ece_floor_after:>5.2f}% {p.auc_conditional:>6.3f} "
                 f"{p.brier_before:>9.4f} {p.brier_after:>9.4f}"
             )
         lines.append(
             f"mean ECE {100 * self.mean_ece_before:.2f}% -> {100 * self.mean_ece_after:.2f}% "
-            f"({self.num_samples} samples, {self.num_bins} bins)"
+            + (f"(cross-fitted {100 * float(np.mean(self.ece_crossfit)):.2f}%) " if crossfit else "")
+            + f"({self.num_samples} samples, {self.num_bins} bins)"
         )
         return "\n".join(lines)
 
@@ -748,10 +755,13 @@ def calibration_report(
     *,
     accepted_len: ArrayLike | None = None,
     num_bins: int = 15,
+    crossfit_folds: int = 0,
 ) -> CalibrationReport:
     """Per-position ECE before/after STS, AUC and Brier (see PositionCalibration for each field).
 
     c_raw: [num_samples, gamma]; survived: [num_samples, gamma] bool (or None and accepted_len).
+    crossfit_folds: with 2 or more, also the cross-fitted ECE (``crossfit_ece``, refitting STS
+    the way ``sts`` was fitted: shifted or not, default settings).
     """
     c_np = _to_numpy_f64(c_raw)
     surv = _resolve_outcomes(c_np, survived, accepted_len)
@@ -781,8 +791,43 @@ def calibration_report(
                 auc_prefix_after=roc_auc(a_after[:, k], y),
             )
         )
+    crossfit = (crossfit_ece(c_np, surv, shift=sts.shifted, folds=crossfit_folds,
+                             num_bins=num_bins) if crossfit_folds else None)
     return CalibrationReport(positions, list(sts.temperatures), int(c_np.shape[0]), num_bins,
-                             list(sts.biases))
+                             list(sts.biases), crossfit)
+
+
+def crossfit_ece(
+    c_raw: ArrayLike,
+    survived: ArrayLike,
+    *,
+    shift: bool = False,
+    folds: int = 2,
+    num_bins: int = 15,
+) -> list[float]:
+    """Per-position ECE of STS on rounds it was not fitted on: [gamma] floats.
+
+    The rounds (c_raw [num_samples, gamma], survived the same shape, bool) are cut into `folds`
+    contiguous parts; each part's cumulative products a_k are calibrated by the fit on all the
+    other parts, and the ECE of the pooled a_k against prefix survival is taken per position.
+    An in-sample ECE after fitting (``calibration_report``'s ece_after) can only flatter the fit;
+    this one shows what a calibration does on rounds it has not seen. Contiguous parts keep
+    most of one prompt's rounds together (the calibration runs generate few prompts at a time).
+    """
+    c_np = _to_numpy_f64(c_raw)
+    surv = _resolve_outcomes(c_np, survived, None)
+    num_samples, gamma = c_np.shape
+    if folds < 2 or num_samples < folds:
+        raise ValueError(f"cross-fitting needs 2 <= folds <= num_samples, got folds={folds} "
+                         f"for {num_samples} samples")
+    bounds = np.linspace(0, num_samples, folds + 1).astype(np.int64)
+    a_held = np.empty_like(c_np)  # [num_samples, gamma]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        fit_rows = np.ones(num_samples, dtype=np.bool_)
+        fit_rows[lo:hi] = False
+        sts = fit_sts(c_np[fit_rows], surv[fit_rows], shift=shift)
+        a_held[lo:hi] = np.cumprod(sts.apply(c_np[lo:hi]), axis=1)
+    return [expected_calibration_error(a_held[:, k], surv[:, k], num_bins) for k in range(gamma)]
 
 
 # ----------------------------------------------------------------------------------------------

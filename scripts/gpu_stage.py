@@ -27,7 +27,7 @@ On the device machine (plain python3, standard library only until the phase itse
     .venv/bin/python scripts/gpu_stage.py stage
     # the printed `run` calls, then:
     .venv/bin/python scripts/gpu_stage.py restore
-    RUN=<the returned drafter folder> CALIBRATION_PROMPTS=40 bash scripts/ship_campaign_drafter.sh
+    RUN=<the returned drafter folder> bash scripts/ship_campaign_drafter.sh
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from dspark.calibration import (
     brier_score,
     calibration_report,
     conditional_auc,
+    crossfit_ece,
     ece_noise_floor,
     expected_calibration_error,
     fit_sts,
@@ -474,3 +475,41 @@ def test_reliability_png(tmp_path, fitted):
     _png_size(open(raw_only, "rb").read())
     with pytest.raises(ValueError):
         plot_reliability(tmp_path / "bad.png", c_raw, survived, sts, positions=[0])
+
+
+def test_crossfit_ece_matches_the_in_sample_ece_on_rounds_from_one_distribution():
+    # 2 parameters a position on 20k rounds hardly overfit: held-out and in-sample ECE agree,
+    # both near the noise floor and far below the raw head's.
+    q, c_raw, survived = shifted_synthetic(20_000, 3, seed=5)
+    sts = fit_sts(c_raw, survived, shift=True)
+    report = calibration_report(c_raw, survived, sts, crossfit_folds=2)
+    assert report.ece_crossfit == crossfit_ece(c_raw, survived, shift=True, folds=2)
+    for pos, cv in zip(report.positions, report.ece_crossfit):
+        assert abs(cv - pos.ece_after) < 0.01 and cv < 0.02 < pos.ece_before, (pos, cv)
+    assert "ECE cv" in report.format_table() and "cross-fitted" in report.format_table()
+    assert report.to_dict()["ece_crossfit"] == report.ece_crossfit
+
+
+def test_crossfit_ece_shows_a_drift_that_the_in_sample_ece_hides():
+    # The first half's head over-predicts, the second half's under-predicts by as much: one fit
+    # on both halves is calibrated on the pooled rounds (small in-sample ECE), but a fit on
+    # either half is badly off on the other, which the cross-fitted ECE shows.
+    rng = np.random.default_rng(9)
+    n, gamma = 20_000, 2
+    q = rng.beta(2.0, 2.0, size=(n, gamma))  # [n, gamma]
+    offset = np.where(np.arange(n) < n // 2, 0.6, -0.6)[:, None]  # [n, 1]
+    c_raw = 1.0 / (1.0 + np.exp(-(np.log(q) - np.log1p(-q) + offset)))
+    survived = np.cumprod(rng.random((n, gamma)) < q, axis=1).astype(bool)
+    sts = fit_sts(c_raw, survived, shift=True)
+    report = calibration_report(c_raw, survived, sts, crossfit_folds=2)
+    for pos, cv in zip(report.positions, report.ece_crossfit):
+        assert pos.ece_after < 0.03 and cv > 0.12, (pos, cv)
+
+
+def test_crossfit_ece_needs_two_folds_and_enough_rounds():
+    _, c_raw, survived = shifted_synthetic(10, 2, seed=1)
+    with pytest.raises(ValueError, match="folds"):
+        crossfit_ece(c_raw, survived, folds=1)
+    with pytest.raises(ValueError, match="folds"):
+        crossfit_ece(c_raw, survived, folds=11)
+    assert calibration_report(c_raw, survived, fit_sts(c_raw, survived)).ece_crossfit is None

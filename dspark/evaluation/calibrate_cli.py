@@ -34,21 +34,31 @@ def _log(message: str) -> None:
     print(f"[dspark calibrate] {message}", file=sys.stderr, flush=True)
 
 
-def heldout_prompts(path: Path, limit: int | None = None) -> list[list[int]]:
-    """prompt_ids of the held-out records of a generated data file (in file order)."""
+def heldout_prompts(paths: Path | list[Path], limit: int | None = None) -> list[list[int]]:
+    """prompt_ids of the held-out records of one or more generated data files.
+
+    Several files are interleaved (the first held-out prompt of each, then the second of each,
+    ...) so that `limit` draws from every file; a prompt held out in two files comes once.
+    """
     from dspark.training.data import read_records
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no data file at {path}")
-    prompts = []
-    for r in read_records(path):
-        if r.get("split") == HELDOUT_SPLIT:
-            prompts.append([int(t) for t in r["prompt_ids"]])
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise ValueError(f"{path}: no records with split == {HELDOUT_SPLIT!r}")
-    return prompts
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    per_file = []
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"no data file at {path}")
+        held = [[int(t) for t in r["prompt_ids"]] for r in read_records(path)
+                if r.get("split") == HELDOUT_SPLIT]
+        if not held:
+            raise ValueError(f"{path}: no records with split == {HELDOUT_SPLIT!r}")
+        per_file.append(held)
+    prompts, seen = [], set()
+    for i in range(max(map(len, per_file))):
+        for held in per_file:
+            if i < len(held) and tuple(held[i]) not in seen:
+                seen.add(tuple(held[i]))
+                prompts.append(held[i])
+    return prompts if limit is None else prompts[:limit]
 
 
 def _without_nan(x):
@@ -66,9 +76,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, required=True,
                         help="drafter folder (config.json + model.safetensors); calibration.json "
                              "is written here")
-    parser.add_argument("--data", type=Path, required=True,
-                        help="data file of `dspark data generate` (.jsonl or .jsonl.gz); its "
-                             "held-out split is used")
+    parser.add_argument("--data", type=_paths, required=True,
+                        help="data file(s) of `dspark data generate` (.jsonl or .jsonl.gz), "
+                             "comma-separated; their held-out splits are used, interleaved")
     parser.add_argument("--limit", type=int, default=None, help="first N held-out prompts only")
     parser.add_argument("--temperature", default="0,1",
                         help="sampling temperatures of the calibration runs, comma-separated "
@@ -89,12 +99,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shift", action=argparse.BooleanOptionalAction, default=True,
                         help="fit a per-position shift b_k with each temperature T_k, by log-loss "
                              "(default); --no-shift: temperatures only by ECE, the paper's STS")
+    parser.add_argument("--crossfit-folds", type=int, default=2,
+                        help="also report the ECE of fits on the rounds they were not fitted on "
+                             "(the rounds cut into this many parts; 0: not reported)")
     parser.add_argument("--save-records", type=Path, default=None,
                         help="also write the full rounds' raw confidences and prefix survival "
                              "to this .npz")
     parser.add_argument("--records", type=Path, default=None,
                         help="fit on a .npz written by --save-records instead of generating "
                              "(--data is then not read and no model is loaded)")
+
+
+def _paths(text: str) -> list[Path]:
+    """'a.jsonl.gz,b.jsonl.gz' -> [Path('a.jsonl.gz'), Path('b.jsonl.gz')]."""
+    paths = [Path(p.strip()) for p in str(text).split(",") if p.strip()]
+    if not paths:
+        raise argparse.ArgumentTypeError("--data needs at least one file")
+    return paths
 
 
 def parse_temperatures(text: str) -> list[float]:
@@ -154,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"dspark calibrate: no drafter checkpoint at {folder} (config.json + "
               f"model.safetensors)", file=sys.stderr)
         return 2
+    if args.crossfit_folds < 0 or args.crossfit_folds == 1:
+        print(f"dspark calibrate: --crossfit-folds must be 0 or at least 2, got "
+              f"{args.crossfit_folds}", file=sys.stderr)
+        return 2
     if args.records is not None:
         try:
             rounds = load_records(args.records)
@@ -199,7 +224,11 @@ def _fit_and_write(args: argparse.Namespace, rounds: list[Rounds], source: str) 
         sts = dataclasses.replace(fit_sts(confidences, survived, shift=args.shift),
                                   sampling_temperature=t)
         fits.append(sts)
-        report = calibration_report(confidences, survived, sts)
+        folds = args.crossfit_folds if len(confidences) >= 2 * args.crossfit_folds else 0
+        if args.crossfit_folds and not folds:
+            _log(f"temperature {t:g}: {len(confidences)} rounds are too few to cross-fit over "
+                 f"{args.crossfit_folds} parts; no cross-fitted ECE")
+        report = calibration_report(confidences, survived, sts, crossfit_folds=folds)
         reports[f"{t:g}"] = report.to_dict()
         plot = _plot_path(args, folder, t, len(rounds))
         plot_reliability(plot, confidences, survived, sts,

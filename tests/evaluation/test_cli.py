@@ -137,6 +137,21 @@ def test_heldout_prompts_only(tmp_path):
     assert len(calibrate_cli.heldout_prompts(path, limit=2)) == 2
 
 
+def test_heldout_prompts_of_several_files_interleave_and_come_once(tmp_path):
+    first, second = tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.gz"
+    write_data_file(first, np.random.default_rng(0))
+    write_data_file(second, np.random.default_rng(1))
+    a, b = calibrate_cli.heldout_prompts(first), calibrate_cli.heldout_prompts(second)
+    both = calibrate_cli.heldout_prompts([first, second])
+    assert both == [p for pair in zip(a, b) for p in pair]
+    assert calibrate_cli.heldout_prompts([first, second], limit=3) == [a[0], b[0], a[1]]
+    assert calibrate_cli.heldout_prompts([first, first]) == a  # a prompt held out twice: once
+    parser = argparse.ArgumentParser()
+    calibrate_cli.configure(parser)
+    args = parser.parse_args(["--checkpoint", "x", "--data", f"{first},{second}"])
+    assert args.data == [first, second]
+
+
 def test_calibrate_writes_loadable_calibration_that_eval_applies(setup, tmp_path, capsys):
     target, ckpts = setup
     own = tmp_path / "checkpoints"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The target answers training prompts for the drafter, in the background and resumably: about
 # 12,500 prompts greedy, then about 17,700 at T=1 (top-k and top-p off: every training prompt no
-# other file answered, nl2bash and nq_open capped by the source weights), then greedily the
+# other file answered, nl2bash and nq_open capped by the source weights), then at T=1 every chat
+# prompt (roleplay, awesome-chatgpt, self-instruct: 2,636) that no T=1 file answered, since chat
+# is the text the drafter accepts least and the T=1 step's weights gave it few, then greedily the
 # prompts that have only T=1 answers (the T=1 step's selection less every greedy file's prompts),
 # so that every prompt has a greedy answer and half the answers are greedy; 128 answers in flight,
 # one thread at a low CPU priority (nice 10, as the drafter campaign) so the machine stays usable. DTYPE (default bfloat16)
@@ -23,6 +25,10 @@ COMMON=(--max-new-tokens 256 --batch-size 128 --dtype "${DTYPE:-bfloat16}" --thr
   --seed 11 "${EXCLUDE[@]}" --exclude data/answers/t1.jsonl.gz
 .venv/bin/dspark data generate --out data/answers/t1.jsonl.gz --num-prompts 40000 "${COMMON[@]}" --temperature 1 \
   --top-p 1 --top-k 0 --seed 12 "${EXCLUDE[@]}" --exclude data/answers/greedy.jsonl.gz
+.venv/bin/dspark data generate --out data/answers/chat_t1.jsonl.gz --num-prompts 10000 "${COMMON[@]}" \
+  --temperature 1 --top-p 1 --top-k 0 --seed 13 \
+  --sources gpteacher_roleplay,awesome_chatgpt_prompts,self_instruct_seed \
+  --exclude data/smollm2_answers_t1.jsonl.gz --exclude data/answers/t1.jsonl.gz
 .venv/bin/dspark data generate --out data/answers/greedy_t1_prompts.jsonl.gz --num-prompts 40000 "${COMMON[@]}" \
   --temperature 0 --seed 12 --exclude data/smollm2_answers.jsonl.gz \
   --exclude "$SHARED/data/answers/smollm2_greedy_fp32.jsonl.gz" --exclude data/answers/greedy.jsonl.gz

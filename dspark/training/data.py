@@ -33,7 +33,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -84,8 +84,15 @@ class DataGenConfig:
     """Stop starting new work after this many seconds (None: answer every prompt)."""
     exclude: tuple[Path, ...] = ()
     """Data files whose prompts are skipped (their ids count as done)."""
+    sources: tuple[str, ...] | None = None
+    """Only these prompt sources (SOURCE_WEIGHTS names), in their weights' proportions; None: all."""
 
     def __post_init__(self) -> None:
+        if self.sources is not None:
+            unknown = sorted(set(self.sources) - set(SOURCE_WEIGHTS))
+            if not self.sources or unknown:
+                raise ValueError(f"sources must name one or more of {sorted(SOURCE_WEIGHTS)}, "
+                                 f"got {list(self.sources)}")
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("num_prompts, max_new_tokens and batch_size must be >= 1")
         if self.engine not in ENGINES:
@@ -116,10 +123,13 @@ def styled(domain: str, source: str, text: str) -> str:
     return text
 
 
-def select_prompts(train_dir: Path, num_prompts: int, seed: int) -> list[Prompt]:
+def select_prompts(train_dir: Path, num_prompts: int, seed: int,
+                   sources: Sequence[str] | None = None) -> list[Prompt]:
     """A seeded mix of the training prompts following SOURCE_WEIGHTS (sources without a weight
-    are skipped; a source with too few prompts gives what it has). FileNotFoundError, naming the
-    folder, when `train_dir` is not one."""
+    are skipped; a source with too few prompts gives what it has); with `sources`, of those
+    sources only, the weights renormalised over them. FileNotFoundError, naming the folder, when
+    `train_dir` is not one."""
+    weights = {s: w for s, w in SOURCE_WEIGHTS.items() if sources is None or s in sources}
     by_source: dict[str, list[Prompt]] = {}
     for path in sorted(require_folder(train_dir, "training prompts").glob("*.jsonl")):
         with open(path, encoding="utf-8") as f:  # not splitlines(): prompts hold U+2028
@@ -130,13 +140,14 @@ def select_prompts(train_dir: Path, num_prompts: int, seed: int) -> list[Prompt]
                        styled(row["domain"], row["source"], row["prompt"])))
     rng = random.Random(seed)
     chosen: list[Prompt] = []
-    total_weight = sum(SOURCE_WEIGHTS[s] for s in by_source if s in SOURCE_WEIGHTS)
+    total_weight = sum(weights[s] for s in by_source if s in weights)
     for source in sorted(by_source):
         if source not in SOURCE_WEIGHTS:
             continue
         pool = by_source[source]
-        rng.shuffle(pool)
-        chosen += pool[:round(num_prompts * SOURCE_WEIGHTS[source] / total_weight)]
+        rng.shuffle(pool)  # chosen or not: a seed orders each source the same with any `sources`
+        if source in weights:
+            chosen += pool[:round(num_prompts * weights[source] / total_weight)]
     rng.shuffle(chosen)
     return chosen[:num_prompts]
 
@@ -290,7 +301,7 @@ def run_generation(config: DataGenConfig) -> dict:
     from dspark.models.runner import RunnerConfig, TargetRunner
 
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
-    prompts = select_prompts(config.train_dir, config.num_prompts, config.seed)
+    prompts = select_prompts(config.train_dir, config.num_prompts, config.seed, config.sources)
     if repair_data_file(config.out):  # a killed run: appending after the cut would hide the rest
         print(f"{config.out}: an earlier run was cut off; kept its complete records", flush=True)
     done = {r["id"] for path in (config.out, *config.exclude) for r in read_records(path)}
@@ -381,6 +392,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exclude", type=Path, action="append", default=[],
                         help="skip prompts already answered in this data file (repeatable): a "
                              "second file then adds new prompts, not new answers to old ones")
+    parser.add_argument("--sources", default=None,
+                        help="answer only these prompt sources, comma-separated (default: all; "
+                             f"the sources: {', '.join(SOURCE_WEIGHTS)})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -401,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
                            time_budget_s=args.time_budget_s,
                            sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                                    top_k=args.top_k),
-                           exclude=tuple(args.exclude))
+                           exclude=tuple(args.exclude),
+                           sources=None if args.sources is None else tuple(
+                               s.strip() for s in args.sources.split(",") if s.strip()))
     print(json.dumps(run_generation(config)))
     return 0

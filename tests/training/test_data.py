@@ -12,6 +12,7 @@ from dspark.models.runner import RunnerConfig, TargetRunner, generate_greedy
 from dspark.sampling import SamplingParams
 from dspark.training.data import (
     MATH_SUFFIX,
+    DataGenConfig,
     generate_answers,
     generate_answers_transformers,
     read_records,
@@ -126,6 +127,25 @@ def test_prompt_selection_is_seeded_styled_and_mixed(tmp_path):
     assert sum(p.source == "gsm8k" for p in a) == round(60 * 0.20 / 0.32)
     assert all(p.text.endswith(MATH_SUFFIX) for p in a if p.source == "gsm8k")
     assert all("\u2028" in p.text for p in a)  # a line separator inside a prompt survives
+
+
+def test_prompt_selection_of_some_sources_only(tmp_path):
+    write_prompts(tmp_path, "gsm8k", "math", 200)
+    write_prompts(tmp_path, "nq_open", "chat", 200)
+    write_prompts(tmp_path, "gpteacher_roleplay", "chat", 30)
+    everything = select_prompts(tmp_path, 100, seed=3)
+    chat = select_prompts(tmp_path, 100, seed=3, sources=("gpteacher_roleplay", "nq_open"))
+    assert {p.source for p in chat} == {"gpteacher_roleplay", "nq_open"}
+    # the weights renormalised over the two (0.12 each): 50 each, and roleplay gives its 30
+    assert sum(p.source == "gpteacher_roleplay" for p in chat) == 30
+    assert sum(p.source == "nq_open" for p in chat) == 50
+    # a seed orders each source the same whether or not other sources are chosen
+    # (27 nq_open prompts of 100 among three sources, 50 among two: the same first 27)
+    nq_everything = {p.id for p in everything if p.source == "nq_open"}
+    assert len(nq_everything) == 27 and nq_everything < {p.id for p in chat if p.source == "nq_open"}
+    with pytest.raises(ValueError, match="sources"):
+        DataGenConfig(model_dir=tmp_path, train_dir=tmp_path, out=tmp_path / "o.jsonl",
+                      sources=("no_such_source",))
 
 
 def test_split_is_a_deterministic_fraction():

@@ -10,7 +10,8 @@
 # sets the target's dtype: bf16 doubles the rate on a CPU with AMX-BF16 (bench/data_generate.py);
 # every record says which dtype wrote it (the greedy file's first 7,124 answers are float32). Every answer is
 # appended as it finishes, so a stopped run loses at most the answers in flight; run this again to
-# go on. The prompts of every earlier answer file are excluded, so the files never overlap.
+# go on. Each step excludes the prompts that already have an answer at its temperature, so no
+# prompt is answered twice at the same temperature.
 #   nohup bash scripts/answers_campaign.sh > runs/answers_campaign.log 2>&1 &
 #   .venv/bin/dspark data stats --out data/answers/greedy.jsonl.gz
 set -euo pipefail

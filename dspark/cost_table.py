@@ -34,14 +34,16 @@ above the profile each request count R runs, and how that changes with the draft
 verifies. A round of R requests over B tokens costs ``T(R, B) = T_profile(B) + above(R, n)``
 with ``n = B - R`` drafts, where
 
-- ``above(R, n) = level(R) + slope(R) * n`` is a straight line fitted to R's rounds by
+- ``above(R, n)`` is fitted to R's rounds in two parts (:class:`RequestCountFit`), each by
   exponentially weighted least squares (:class:`LevelFit`): each round's ``measured -
-  T_profile(B)`` enters with weight ``CostTableConfig.ema_weight`` and every earlier one fades
-  by ``1 - ema_weight`` (the first taken whole, so with one n served the level is that EMA);
-  the slope is ridge-shrunk toward 0 (:data:`SLOPE_RIDGE`), so it stays 0 until R has served
-  different n;
-- outside the n that R has served, the line is held flat at its last served end: a slope
-  fitted over 0-3 drafts is not trusted at 30;
+  T_profile(B)`` enters with weight ``CostTableConfig.ema_weight`` and every earlier round *of
+  its kind* fades by ``1 - ema_weight`` (the first taken whole). Rounds without drafts give the
+  level at n = 0 (their EMA); rounds with drafts give a straight line in n, its slope
+  ridge-shrunk toward 0 (:data:`SLOPE_RIDGE`), so it is flat until R has verified different n.
+  A run of decode rounds therefore never fades what the verifying rounds measured;
+- between n = 0 and the fewest drafts served, ``above`` runs straight from the decode level to
+  the drafts' line; past the most drafts served, the line is held flat: a slope fitted over 1-3
+  drafts is not trusted at 30;
 - an R never served takes the fit of the nearest served R (the lower on a tie), and 0 before any.
 
 Why not refresh each B on its own: the profile spreads B over at most a few
@@ -54,8 +56,8 @@ line in n, not a point per served (R, B): rounds that verify drafts seldom
 verify the same number twice (at 16 requests, B ran 40-52 in one minute), so each point had a
 few samples, started at R's level (mostly rounds without drafts) and moved 10% a sample; the
 admission judged drafts at about that level while they cost more (bf16, 16 requests: 158-175 ms
-estimated for 46 tokens, 180-236 measured). One line per R pools every round's evidence on
-what a draft costs. The drafting time is learned per
+estimated for 46 tokens, 180-236 measured). One line per R pools every verifying round's
+evidence on what a draft costs. The drafting time is learned per
 R as well (:meth:`CostTable.observe_draft`): drafting 16 requests costs more than drafting one.
 
 JSON format (written by ``dspark profile``)::
@@ -135,8 +137,8 @@ class CostTableConfig:
 
 @dataclass
 class LevelFit:
-    """Exponentially weighted least-squares line ``above = level + slope * n`` over one request
-    count's rounds, n = drafts verified (module docstring). Holds the weighted sums only."""
+    """Exponentially weighted least-squares line ``y = level + slope * n`` over a run of rounds,
+    n = drafts verified, y = seconds above the profile. Holds the weighted sums only."""
 
     weight: float = 0.0  # sum w
     n_sum: float = 0.0  # sum w n
@@ -167,12 +169,48 @@ class LevelFit:
 
     @property
     def level(self) -> float:
-        """Seconds above the profile of a round without drafts (n = 0)."""
+        """The line at n = 0."""
         return (self.y_sum - self.slope * self.n_sum) / self.weight
 
     def above(self, n: np.ndarray) -> np.ndarray:
         """``level + slope * n`` with n clipped to the served range (same shape as n)."""
         return self.level + self.slope * np.clip(n, self.n_min, self.n_max)
+
+
+@dataclass
+class RequestCountFit:
+    """Seconds above the profile of a round of one request count R, against the drafts n it
+    verifies (module docstring): the rounds without drafts and the rounds with drafts are fitted
+    apart, each fading only by rounds of its own kind.
+
+    Why apart: at high load most rounds verify nothing and verifying ones come in short runs
+    tens of rounds apart. In one pooled line each of the decode rounds between two verifying
+    runs faded the drafts' evidence by ``1 - ema_weight`` (0.9^35, about 3%, left after a typical
+    gap at 16 users), so the slope rested on about one round and swung from 0 to 1.4 ms a draft
+    between consecutive verifying rounds (bf16, 16 requests)."""
+
+    decode: LevelFit = field(default_factory=LevelFit)
+    """Rounds with n = 0 (its line is their EMA: one n served, slope 0)."""
+    drafts: LevelFit = field(default_factory=LevelFit)
+    """Rounds with n >= 1: a line over the draft counts served."""
+
+    def add(self, n: int, y: float, ema_weight: float) -> None:
+        (self.drafts if n > 0 else self.decode).add(n, y, ema_weight)
+
+    def above(self, n: np.ndarray) -> np.ndarray:
+        """Seconds above the profile at n drafts (same shape as n, float64): without draft
+        rounds, the decode level at every n; without decode rounds, the drafts' line clipped to
+        its served range; with both, the decode level at n = 0, the drafts' line from the fewest
+        drafts served on (held flat past the most), and a straight line between the two."""
+        n = np.asarray(n, dtype=np.float64)
+        if self.drafts.weight == 0.0:
+            return np.full_like(n, self.decode.level)
+        line = self.drafts.above(n)
+        if self.decode.weight == 0.0:
+            return line
+        zero, first = self.decode.level, float(self.drafts.above(np.float64(self.drafts.n_min)))
+        between = zero + (first - zero) * n / self.drafts.n_min
+        return np.where(n < self.drafts.n_min, between, line)
 
 
 def _check_seconds(seconds: float, what: str) -> float:
@@ -201,7 +239,7 @@ class CostTable:
     """Seconds of drafting per round before any is measured for a request count (the profile's
     value, or 0); :meth:`draft_time` prefers a measured one."""
     config: CostTableConfig = field(default_factory=CostTableConfig)
-    request_fits: dict[int, LevelFit] = field(default_factory=dict)
+    request_fits: dict[int, RequestCountFit] = field(default_factory=dict)
     """Serving state, not in the JSON file: the line of seconds above the profile against drafts
     verified, for a round of R requests, by R (:meth:`observe`)."""
     draft_seconds_by_requests: dict[int, float] = field(default_factory=dict)
@@ -352,7 +390,7 @@ class CostTable:
         return self._rate(self._lift(profile, b, num_requests), objective, num_requests)
 
     # ----------------------------------------------------------------------------- online update
-    def _fit(self, num_requests: int) -> LevelFit | None:
+    def _fit(self, num_requests: int) -> RequestCountFit | None:
         """R's line, else the nearest served R's (the lower on a tie), else None."""
         if num_requests in self.request_fits:
             return self.request_fits[num_requests]
@@ -382,7 +420,7 @@ class CostTable:
         if self.config.ema_weight == 0.0:  # a frozen table
             return
         above = seconds - float(self.step_time(b))
-        self.request_fits.setdefault(r, LevelFit()).add(b - r, above, self.config.ema_weight)
+        self.request_fits.setdefault(r, RequestCountFit()).add(b - r, above, self.config.ema_weight)
 
     def observe_draft(self, seconds: float, num_requests: int | None = None) -> None:
         """Fold one measured drafting time into R's (or, without R, :attr:`draft_seconds`) by an

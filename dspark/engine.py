@@ -478,15 +478,20 @@ class Engine:
                            hold_features=h, logprobs=r.logprobs)
              for r, block, n, h in zip(running, blocks, lengths, hold)],
             chunks)
-        # The step as the round pays for it: with a remote verifier the call's (de)serialising
-        # and transfers too, which grow with the drafts sent and accepted (features), not only
-        # the forward the verifier reports in result.step_seconds.
         self._record_verify_step(result, len(running), time.perf_counter() - verify_start)
         if self.round_observer is not None and plan.mode.drafts:
             if record.num_accepted is None:  # every running request: its acceptance is known now
                 record.num_accepted = list(result.num_accepted)
             self.round_observer(record)
         outputs = self._commit(running, lengths, hold, result, gamma)
+        if self.config.update_cost_table and not result.prefill_tokens:
+            # The round as it pays for it, less drafting (timed above): with a remote verifier
+            # the call's (de)serialising and transfers, which grow with the drafts sent and
+            # accepted (features), and the commit of the accepted tokens to the drafter, not
+            # only the forward the verifier reports in result.step_seconds. A forward that also
+            # read prompt chunks is no sample of SPS(B).
+            self.cost_table.observe(len(running), result.batch_tokens,
+                                    time.perf_counter() - verify_start)
         outputs += self._take_chunks(planned, result.prefill, chunks) if planned else []
         self._retire_finished()
         return outputs
@@ -562,17 +567,14 @@ class Engine:
 
     def _record_verify_step(self, result: VerifyOutput, num_running: int,
                             verify_seconds: float) -> None:
-        """The verification step's times and tokens into the stats and the cost table."""
+        """The verification step's times and tokens into the stats."""
         self.stats.rounds += 1
-        # A forward that also read prompt chunks: its time is split by tokens between the
-        # stages, and it is no sample of SPS(B) for the cost table.
+        # A forward that also read prompt chunks: its time is split by tokens between the stages.
         prompt_share = result.prefill_tokens / (result.prefill_tokens + result.batch_tokens)
         self.stats.prefill_seconds += result.step_seconds * prompt_share
         self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
         self.stats.verify_call_seconds += max(0.0, verify_seconds - result.step_seconds)
         self.stats.batch_tokens.append(result.batch_tokens)
-        if self.config.update_cost_table and not result.prefill_tokens:
-            self.cost_table.observe(num_running, result.batch_tokens, verify_seconds)
 
     def _commit(self, running: list[Request], lengths: np.ndarray, hold: list[bool],
                 result: VerifyOutput, gamma: int) -> list[StepOutput]:

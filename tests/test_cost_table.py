@@ -303,6 +303,44 @@ def reference_above(rounds: list[tuple[int, float]], ema_weight: float, n: np.nd
     return np.where(n < fewest, zero + (first - zero) * n / fewest, line)
 
 
+def reference_step_above(history: dict[int, list[tuple[int, float]]], r: int, ema_weight: float,
+                         n: np.ndarray) -> np.ndarray:
+    """Brute force of the seconds above the profile at R = r: R's own rounds (else the nearest
+    served R's, the lower on a tie); without draft rounds, plus the nearest R with draft rounds'
+    cost above its own n = 0."""
+    def nearest(counts):
+        return min(counts, key=lambda c: (abs(c - r), c)) if counts else None
+
+    own = nearest(list(history))
+    above = reference_above(history[own], ema_weight, n)
+    if all(x == 0 for x, _ in history[own]):
+        donor = nearest([c for c, rounds in history.items() if any(x > 0 for x, _ in rounds)])
+        if donor is not None:
+            above = above + reference_above(history[donor], ema_weight, n) - reference_above(
+                history[donor], ema_weight, np.zeros_like(n))
+    return above
+
+
+def test_a_request_count_without_draft_rounds_prices_drafts_at_the_nearest_that_has_them():
+    """At 16 users a request finishes and the next one's prompt is read over a few rounds at
+    R = 15: nearly all of R = 15's rounds are decode rounds. Its drafts are priced by what drafts
+    cost above decoding at R = 16, on top of R = 15's own decode level, not by the profile."""
+    table = CostTable.from_step_seconds({8: 0.030, 64: 0.040})
+    for _ in range(20):
+        table.observe(16, 16, float(table.step_time(16)) + 0.020)
+        table.observe(16, 16 + 20, float(table.step_time(36)) + 0.020 + 0.060)
+        table.observe(16, 16 + 40, float(table.step_time(56)) + 0.020 + 0.100)
+    table.observe(15, 15, float(table.step_time(15)) + 0.015)
+    assert table.step_time(15, num_requests=15) == pytest.approx(
+        float(table.step_time(15)) + 0.015, rel=1e-12)
+    # 30 drafts at R = 15: the profile at B = 45, R = 15's level, R = 16's 80 ms for 30 drafts
+    assert table.step_time(45, num_requests=15) == pytest.approx(
+        float(table.step_time(45)) + 0.015 + 0.080, rel=1e-3)
+    table.observe(15, 15 + 10, float(table.step_time(25)) + 0.030)  # R = 15's own draft round
+    assert table.step_time(25, num_requests=15) == pytest.approx(
+        float(table.step_time(25)) + 0.030, rel=1e-12)
+
+
 def test_decode_rounds_do_not_fade_what_drafts_cost():
     """At 16 users (bf16) verifying rounds came tens of decode rounds apart. The price of a
     draft count must rest on the verifying rounds, however many decode rounds lie between them:
@@ -331,19 +369,25 @@ def test_rate_lookups_follow_every_update(interpolation):
     table = CostTable.from_step_seconds(STAIR, config=config, draft_seconds=0.002)
     profile = CostTable.from_step_seconds(STAIR, config=config)
     history: dict[int, list[tuple[int, float]]] = {}
+    borrowed = 0
     for _ in range(60):
         r = int(rng.integers(1, 20))
         table.round_rate_range(r, 50, ThetaObjective.PAPER)
-        n, seconds = int(rng.integers(0, 30)), float(rng.uniform(0.005, 0.05))
+        # half the rounds verify nothing, so some request counts have no draft rounds yet
+        n = int(rng.integers(1, 30)) if rng.random() < 0.5 else 0
+        seconds = float(rng.uniform(0.005, 0.05))
         table.observe(r, r + n, seconds)
         table.observe_draft(float(rng.uniform(0.001, 0.01)), r)
         history.setdefault(r, []).append((n, seconds - float(profile.step_time(r + n))))
-        bs = np.arange(r, r + 50)
-        plain = profile.step_time(bs)  # [50]
-        above = reference_above(history[r], config.ema_weight, bs - r)
-        step = np.maximum(plain + above, MIN_STEP_FRACTION * plain)
-        assert np.allclose(table.step_time(bs, num_requests=r), step, rtol=1e-9, atol=0)
-        for objective in ThetaObjective:
-            extra = 0.0 if objective is ThetaObjective.PAPER else table.draft_time(r)
-            assert np.allclose(table.round_rate_range(r, 50, objective), 1.0 / (extra + step),
-                               rtol=1e-9, atol=0)
+        for q in range(1, 25):  # every request count: served, served without drafts, or never
+            bs = np.arange(q, q + 50)
+            plain = profile.step_time(bs)  # [50]
+            above = reference_step_above(history, q, config.ema_weight, bs - q)
+            step = np.maximum(plain + above, MIN_STEP_FRACTION * plain)
+            assert np.allclose(table.step_time(bs, num_requests=q), step, rtol=1e-9, atol=0)
+            for objective in ThetaObjective:
+                extra = 0.0 if objective is ThetaObjective.PAPER else table.draft_time(q)
+                assert np.allclose(table.round_rate_range(q, 50, objective), 1.0 / (extra + step),
+                                   rtol=1e-9, atol=0)
+            borrowed += q in history and all(x == 0 for x, _ in history[q])
+    assert borrowed > 100  # lookups of counts served only without drafts

@@ -30,7 +30,6 @@ import csv
 import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from closed_loop import drive  # noqa: E402
 from target_decode import chat_prompts  # noqa: E402
 
 from dspark.admission import AdmissionPolicy, survival_probs  # noqa: E402
@@ -48,7 +48,6 @@ from dspark.fetch import ensure_model  # noqa: E402
 from dspark.loading import load_method_drafter, load_target  # noqa: E402
 from dspark.models.drafter_io import DrafterConfig  # noqa: E402
 from dspark.paths import EVAL_PROMPTS_DIR, REPO_ROOT  # noqa: E402
-from dspark.sampling import SamplingParams  # noqa: E402
 from dspark.step_timing import startup_cost_table  # noqa: E402
 from dspark.stop_tokens import stop_token_ids  # noqa: E402
 from dspark.verifier import TargetVerifier  # noqa: E402
@@ -122,36 +121,18 @@ class RoundLog:
 
 def run_loop(engine: Engine, prompts: list[list[int]], stops: list[int], args,
              log: RoundLog | None) -> LoopResult:
-    result, counting, joined = LoopResult(), False, 0
-    sampling = SamplingParams(temperature=0)
+    result = LoopResult()
 
-    def join() -> None:
-        nonlocal joined
-        engine.add_request(prompts[joined % len(prompts)], sampling, args.max_tokens, stops)
-        joined += 1
-
-    for _ in range(args.users):
-        join()
-    begin = time.perf_counter()
-    counted_from = None
-    while True:
-        start = time.perf_counter()
-        outputs = engine.step()
-        now = time.perf_counter()
+    def keep_round(step_seconds: float, counted: bool) -> None:
         done = log.take() if log is not None else None
-        if counting and done is not None:
-            done.measured_ms = 1000 * (now - start)
+        if counted and done is not None:
+            done.measured_ms = 1000 * step_seconds
             result.rounds.append(done)
-        for out in outputs:
-            if counting:
-                result.tokens += len(out.new_token_ids)
-            if out.finished:
-                join()
-        if counted_from is None and now - begin >= args.warmup_s:
-            counting, counted_from = True, now
-        elif counting and now - counted_from >= args.seconds:
-            result.seconds = now - counted_from
-            return result
+
+    window = drive(engine, prompts, stops, args.users, args.max_tokens, args.warmup_s,
+                   args.seconds, keep_round)
+    result.tokens, result.seconds = window.tokens, window.seconds
+    return result
 
 
 def summarise(rounds: list[Round]) -> list[dict]:

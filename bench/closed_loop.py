@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -64,50 +65,80 @@ class LoopResult:
                                                                  "reads prompt": PassTimes()})
 
 
+@dataclass
+class LoopWindow:
+    """What the counted window of a closed loop produced."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    finished: int = 0
+
+
+def drive(engine: Engine, prompts: list[list[int]], stops: list[int], users: int, max_tokens: int,
+          warmup_s: float, seconds: float,
+          on_step: Callable[[float, bool], None] | None = None) -> LoopWindow:
+    """Keep `users` greedy requests of `max_tokens` running on `engine` (a finished one is
+    replaced at once by the next prompt, round-robin), count `seconds` after `warmup_s`.
+    `on_step(step seconds, counted)` is called after every engine step."""
+    window, joined = LoopWindow(), 0
+    sampling = SamplingParams(temperature=0)
+
+    def join() -> None:
+        nonlocal joined
+        engine.add_request(prompts[joined % len(prompts)], sampling, max_tokens, stops)
+        joined += 1
+
+    for _ in range(users):
+        join()
+    begin = time.perf_counter()
+    counted_from = None
+    while True:
+        start = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        counting = counted_from is not None
+        if on_step is not None:
+            on_step(now - start, counting)
+        for out in outputs:
+            if counting:
+                window.tokens += len(out.new_token_ids)
+            if out.finished:  # replaced at once, in the warm-up too: the loop stays at `users`
+                window.finished += counting
+                join()
+        if counted_from is None and now - begin >= warmup_s:
+            counted_from = now  # counted from the next step on
+        elif counting and now - counted_from >= seconds:
+            window.seconds = now - counted_from
+            return window
+
+
 def run_loop(runner: TargetRunner, prompts: list[list[int]], stops: list[int], args) -> LoopResult:
     """One closed-loop run on `runner`; the forwards are timed through a wrapper on the runner."""
-    result, counting = LoopResult(), False
+    result = LoopResult()
+    step_passes: list[tuple[str, int, float]] = []  # this step's forwards: kind, rows, seconds
     forward = runner.forward
 
     def timed_forward(items, *rest, **kwargs):
         start = time.perf_counter()
         out = forward(items, *rest, **kwargs)
-        if counting:
-            kind = "decode" if all(len(it.token_ids) == 1 for it in items) else "reads prompt"
-            times = result.passes[kind]
-            times.count, times.rows = times.count + 1, times.rows + len(items)
-            times.seconds += time.perf_counter() - start
+        kind = "decode" if all(len(it.token_ids) == 1 for it in items) else "reads prompt"
+        step_passes.append((kind, len(items), time.perf_counter() - start))
         return out
+
+    def count_passes(step_seconds: float, counted: bool) -> None:
+        for kind, rows, seconds in step_passes if counted else ():
+            times = result.passes[kind]
+            times.count, times.rows, times.seconds = times.count + 1, times.rows + rows, times.seconds + seconds
+        step_passes.clear()
 
     runner.forward = timed_forward
     engine = Engine(TargetVerifier(runner), None, startup_cost_table(runner),
                     EngineConfig(policy=AdmissionPolicy.parse("none"), max_running=args.users,
                                  prefill_chunk_tokens=args.prefill_chunk_tokens))
-    sampling, joined = SamplingParams(temperature=0), 0
-
-    def join() -> None:
-        nonlocal joined
-        engine.add_request(prompts[joined % len(prompts)], sampling, args.max_tokens, stops)
-        joined += 1
-
-    for _ in range(args.users):
-        join()
-    begin = time.perf_counter()
-    counted_from = None
-    while True:
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if counting:
-                result.tokens += len(out.new_token_ids)
-            if out.finished:  # replaced at once, in the warm-up too: the loop stays at --users
-                result.finished += counting
-                join()
-        if counted_from is None and now - begin >= args.warmup_s:
-            counting, counted_from = True, now  # counted from the next step on
-        elif counting and now - counted_from >= args.seconds:
-            result.seconds = now - counted_from
-            return result
+    window = drive(engine, prompts, stops, args.users, args.max_tokens, args.warmup_s,
+                   args.seconds, count_passes)
+    result.tokens, result.seconds, result.finished = window.tokens, window.seconds, window.finished
+    return result
 
 
 def main() -> int:

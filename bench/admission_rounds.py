@@ -85,7 +85,7 @@ class RoundLog:
     """Wraps the engine's verifier call and round observer to build one :class:`Round` a step."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.current, self.pending_record = engine, None, None
+        self.current: Round | None = None
         verify = engine.verifier.verify
 
         def logged_verify(requests, chunks=()):

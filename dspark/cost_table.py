@@ -364,7 +364,7 @@ class CostTable:
         if fit.drafts.weight == 0.0:  # R never verified drafts: the nearest R that did prices them
             donor = self._nearest_fit(num_requests, lambda f: f.drafts.weight > 0.0)
             if donor is not None:
-                above = above + donor.above(n) - donor.above(np.zeros_like(n))
+                above = above + donor.above(n) - donor.above(np.float64(0.0))
         return np.maximum(profile + above, MIN_STEP_FRACTION * profile)
 
     def _rate(self, step: float | np.ndarray, objective: ThetaObjective,
@@ -408,6 +408,9 @@ class CostTable:
     def _nearest_fit(self, num_requests: int,
                      usable: Callable[[RequestCountFit], bool]) -> RequestCountFit | None:
         """The usable fit of R, else of the nearest R with one (the lower on a tie), else None."""
+        own = self.request_fits.get(num_requests)
+        if own is not None and usable(own):
+            return own
         counts = [c for c, f in self.request_fits.items() if usable(f)]
         if not counts:
             return None

@@ -478,7 +478,7 @@ class Engine:
                            hold_features=h, logprobs=r.logprobs)
              for r, block, n, h in zip(running, blocks, lengths, hold)],
             chunks)
-        self._record_verify_step(result, len(running), time.perf_counter() - verify_start)
+        self._record_verify_step(result, time.perf_counter() - verify_start)
         if self.round_observer is not None and plan.mode.drafts:
             if record.num_accepted is None:  # every running request: its acceptance is known now
                 record.num_accepted = list(result.num_accepted)
@@ -565,8 +565,7 @@ class Engine:
         planned = self.admitter.planned_capacity()
         return gamma if planned is None else min(gamma, planned + 1)
 
-    def _record_verify_step(self, result: VerifyOutput, num_running: int,
-                            verify_seconds: float) -> None:
+    def _record_verify_step(self, result: VerifyOutput, verify_seconds: float) -> None:
         """The verification step's times and tokens into the stats."""
         self.stats.rounds += 1
         # A forward that also read prompt chunks: its time is split by tokens between the stages.

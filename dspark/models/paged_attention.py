@@ -9,7 +9,8 @@ query_start, context_lens, scale) -> out`, with the shapes of `csrc/paged_attent
   pair reads its context's K/V once through the block table, with no gathered copy. On an
   AVX-512 or AVX2 CPU, float32 and bf16 caches with head_dim 32, 64 or 128 take a path with
   queries, scores and outputs in registers (2-9x the portable loops at decode on AVX-512,
-  `bench/paged_attention_kernel.py --against`). Where no C++
+  `bench/paged_attention_kernel.py --against`), the softmax in vector registers too, and bf16
+  scores by VDPBF16PS where the CPU has AVX512-BF16. Where no C++
   compiler is found it is unavailable (`cpu_kernel_available()`) and the runner falls back to
   per-request SDPA.
 - **Any device** (`padded_attention`): the contexts gathered into one padded

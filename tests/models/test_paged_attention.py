@@ -45,7 +45,7 @@ CASES = [
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("head_dim", [8, 32, 64, 128])  # 32-128: the SIMD path where built
@@ -71,6 +71,7 @@ def cpu_flags() -> set[str]:
 # The kernel's narrower paths, built with the ISA flags that turn the wider ones off, so that a
 # wide CPU tests all of them: (flags the path needs, flags the native build has beyond it).
 NARROWER_BUILDS = {
+    "avx512": ({"avx512f"}, {"avx512_bf16"}, ("-mno-avx512bf16",)),
     "avx2": ({"avx2", "fma"}, {"avx512f"}, ("-mno-avx512f",)),
     "portable": (set(), {"avx2", "avx512f"}, ("-mno-avx512f", "-mno-avx2")),
 }
@@ -91,13 +92,14 @@ def narrower_build(path: str):
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("heads", [(6, 2), (9, 3)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("path", sorted(NARROWER_BUILDS))
 def test_narrower_kernel_paths_equal_per_request_sdpa(path, head_dim, heads, dtype, tol):
-    """The AVX2 path and the portable loops, built on a CPU whose native build takes a wider
-    path, against the reference on every case (1 to 4 rows a register block, partial tiles)."""
+    """The AVX-512 path without bf16 dot products, the AVX2 path and the portable loops, built on
+    a CPU whose native build takes a wider path, against the reference on every case (1 to 4 rows
+    a register block, partial tiles)."""
     ext = narrower_build(path)
     if isinstance(ext, str):
         pytest.skip(ext)
@@ -111,7 +113,7 @@ def test_narrower_kernel_paths_equal_per_request_sdpa(path, head_dim, heads, dty
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_long_queries_through_sdpa_equal_per_request_sdpa(dtype, tol):
     """The kernel skips the requests with at least `min_len` new tokens and SDPA fills them in:
     together the same attention as the reference, for a batch that mixes whole prompts (long and

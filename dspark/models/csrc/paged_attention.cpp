@@ -21,10 +21,11 @@
 // New token i of request r (0-based among its q_len new tokens) sits at position
 // context_len - q_len + i and attends to positions 0 .. that position.
 //
-// Arithmetic in float32 whatever the storage dtype: scores (q * scale).k, a max-subtracted
-// softmax over each query's visible positions (exp by a polynomial as accurate as float32's
-// rounding, so that it vectorises), then the softmax-weighted sum of values. Equal to SDPA's math
-// up to float rounding (another summation order).
+// Arithmetic in float32 whatever the storage dtype: scores (q * scale).k (for bf16 caches on
+// AVX512-BF16 CPUs, scale * (q.k) with the bf16 products summed into float32 by VDPBF16PS), a
+// max-subtracted softmax over each query's visible positions (exp by a polynomial as accurate as
+// float32's rounding, so that it vectorises), then the softmax-weighted sum of values. Equal to
+// SDPA's math up to float rounding (another summation order).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -65,8 +66,10 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
 // exp(x) for x <= 0 (softmax after subtracting the row maximum), written so that the compiler
 // vectorises a loop of it: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial
 // (relative error below 2e-7, about float32 rounding), 2^n put into the exponent bits. Below
-// -87.3 (where exp underflows float32's normal range) it returns 0.
-inline float exp_nonpositive(float x) {
+// -87.3 (where exp underflows float32's normal range) it returns 0. Forced inline: a call in the
+// loop would keep it scalar.
+#define DSPARK_INLINE inline __attribute__((always_inline))
+DSPARK_INLINE float exp_nonpositive(float x) {
   x = std::max(x, -87.3f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
@@ -83,6 +86,31 @@ inline float exp_nonpositive(float x) {
   float out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
+}
+
+// s[0 .. visible) = its softmax, s[visible .. ctx_len) = 0 (positions the row does not see).
+// Written so that GCC vectorises every loop: the maximum runs in 16 independent lanes (a single
+// running maximum waits on each comparison before the next), and exp_nonpositive is inlined.
+inline void softmax_row(float* __restrict s, int64_t visible, int64_t ctx_len) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = -std::numeric_limits<float>::infinity();
+  int64_t p = 0;
+  for (; p + kLanes <= visible; p += kLanes)
+    for (int i = 0; i < kLanes; ++i) lanes[i] = lanes[i] > s[p + i] ? lanes[i] : s[p + i];
+  float mx = lanes[0];
+  for (int i = 1; i < kLanes; ++i) mx = std::max(mx, lanes[i]);
+  for (; p < visible; ++p) mx = std::max(mx, s[p]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (p = 0; p < visible; ++p) {
+    s[p] = exp_nonpositive(s[p] - mx);
+    sum += s[p];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (p = 0; p < visible; ++p) s[p] *= inv;
+  for (p = visible; p < ctx_len; ++p) s[p] = 0.f;
 }
 
 // Rows of a (request, KV head) from which scores are computed against transposed key tiles: the
@@ -117,7 +145,7 @@ struct Isa {
   }
   static void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
   // out lane t = the sum of v[t]'s 16 lanes.
-  static vec reduce(const vec* v) {
+  static DSPARK_INLINE vec reduce(const vec* v) {
     __m512 w[4];
     for (int g = 0; g < 4; ++g) {  // w[g], 128-bit chunk c, lane i: v[4g + i] summed over chunk c
       const __m512* a = v + 4 * g;
@@ -151,7 +179,7 @@ struct Isa {
   }
   static void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
   // out lane t = the sum of v[t]'s 8 lanes.
-  static vec reduce(const vec* v) {
+  static DSPARK_INLINE vec reduce(const vec* v) {
     // hadd pairs lanes within each 128-bit half: after two rounds, half c of s0123 holds
     // v[0..3] each summed over its half c (s4567: v[4..7]); adding the halves finishes the sums.
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -167,38 +195,79 @@ using vec = Isa::vec;
 constexpr int W = Isa::kLanes;
 static_assert(kTile % W == 0, "a row of scores is padded to whole vectors");
 
-// scores[j, 0 .. ctx_len rounded up to W) = queries[j] . key(pos) for NR rows (positions past
-// ctx_len: 0). DV = head_dim / W.
-template <typename scalar_t, int DV, int NR, typename SlotFn>
-inline void scores_simd(const float* queries, const scalar_t* k_ptr, SlotFn slot, int64_t ctx_len,
-                        int64_t head_dim, int64_t stride, float* scores) {
-  vec q[NR][DV];
+
+// keys[t] = the key of position tile + t; a tile's positions past the context repeat its last
+// key, so that every tile is a whole one (their scores, past ctx_len, are never read).
+template <typename scalar_t>
+DSPARK_INLINE void tile_keys(const scalar_t* k_ptr, const int64_t* slots, int64_t tile,
+                             int64_t ctx_len, const scalar_t** keys) {
+  for (int t = 0; t < W; ++t) keys[t] = k_ptr + slots[std::min<int64_t>(tile + t, ctx_len - 1)];
+}
+
+// How scores_simd multiplies a query row by a key, DotT::kWidth numbers a register:
+// Float32Dot widens the keys to float32 and multiply-adds W lanes (queries in float32).
+template <typename scalar_t>
+struct Float32Dot {
+  using query_t = float;
+  using reg = vec;
+  static constexpr int kWidth = W;
+  static reg load_query(const float* p) { return Isa::load(p); }
+  static vec accumulate(vec acc, reg q, const scalar_t* key) { return Isa::fmadd(q, Isa::load(key), acc); }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define DSPARK_BF16_DOT 1
+// Bf16Dot, for bf16 queries against a bf16 cache: VDPBF16PS multiplies bf16 pairs and adds both
+// products into a float32 lane. A product of two bf16 numbers is exact in float32, so this is the
+// float32 path's arithmetic in another summation order, with a third of its instructions (no
+// widening of the keys, 32 products an instruction instead of 16). The queries are the raw bf16
+// numbers, unscaled: the scale multiplies the finished scores, so that no query is rounded.
+struct Bf16Dot {
+  using query_t = c10::BFloat16;
+  using reg = __m512bh;
+  static constexpr int kWidth = 32;
+  static reg load_query(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static vec accumulate(vec acc, reg q, const c10::BFloat16* key) {
+    return _mm512_dpbf16_ps(acc, q, (__m512bh)_mm512_loadu_si512(key));
+  }
+};
+#endif
+
+// scores[j, 0 .. ctx_len rounded up to W) = scale * queries[j] . key(pos) for NR rows (positions
+// past ctx_len: anything). NV = head_dim / DotT::kWidth registers a row. `slots[pos]`: the offset
+// of position pos's key (and value) in the cache, this KV head's.
+template <typename DotT, typename scalar_t, int NV, int NR>
+inline void scores_simd(const typename DotT::query_t* queries, const scalar_t* k_ptr,
+                        const int64_t* slots, int64_t ctx_len, int64_t head_dim, int64_t stride,
+                        float scale, float* scores) {
+  typename DotT::reg q[NR][NV];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < DV; ++c) q[r][c] = Isa::load(queries + r * head_dim + W * c);
+    for (int c = 0; c < NV; ++c) q[r][c] = DotT::load_query(queries + r * head_dim + DotT::kWidth * c);
+  const vec vscale = Isa::set1(scale);
+  const scalar_t* keys[W];
   for (int64_t tile = 0; tile < ctx_len; tile += W) {
-    const int64_t width = std::min<int64_t>(W, ctx_len - tile);
+    tile_keys(k_ptr, slots, tile, ctx_len, keys);
     for (int r = 0; r < NR; ++r) {
       vec acc[W];
-      for (int64_t t = 0; t < W; ++t) {
+#pragma GCC unroll 16
+      for (int t = 0; t < W; ++t) {
         acc[t] = Isa::zero();
-        if (t >= width) continue;
-        const scalar_t* key = k_ptr + slot(tile + t);
-        for (int c = 0; c < DV; ++c) acc[t] = Isa::fmadd(q[r][c], Isa::load(key + W * c), acc[t]);
+        for (int c = 0; c < NV; ++c) acc[t] = DotT::accumulate(acc[t], q[r][c], keys[t] + DotT::kWidth * c);
       }
-      Isa::store(scores + r * stride + tile, Isa::reduce(acc));
+      Isa::store(scores + r * stride + tile, Isa::reduce(acc) * vscale);
     }
   }
 }
 
 // out rows = weights @ values for NR rows (weights 0 where a row does not see a position).
-template <typename scalar_t, int DV, int NR, typename SlotFn>
-inline void values_simd(const float* weights, const scalar_t* v_ptr, SlotFn slot, int64_t ctx_len,
-                        int64_t stride, float* out, int64_t head_dim) {
+template <typename scalar_t, int DV, int NR>
+inline void values_simd(const float* weights, const scalar_t* v_ptr, const int64_t* slots,
+                        int64_t ctx_len, int64_t stride, float* out, int64_t head_dim) {
   vec acc[NR][DV];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < DV; ++c) acc[r][c] = Isa::zero();
   for (int64_t pos = 0; pos < ctx_len; ++pos) {
-    const scalar_t* value = v_ptr + slot(pos);
+    const scalar_t* value = v_ptr + slots[pos];
     vec v[DV];
     for (int c = 0; c < DV; ++c) v[c] = Isa::load(value + W * c);
     for (int r = 0; r < NR; ++r) {
@@ -216,8 +285,8 @@ inline void values_simd(const float* weights, const scalar_t* v_ptr, SlotFn slot
 template <int DV>
 constexpr int kRowsPerBlock = std::max(1, std::min(4, (Isa::kRegisters - W) / DV));
 
-template <typename scalar_t, int DV, typename SlotFn>
-void rows_simd(const float* queries, const scalar_t* k_ptr, const scalar_t* v_ptr, SlotFn slot,
+template <typename scalar_t, int DV>
+void rows_simd(const float* queries, const scalar_t* k_ptr, const scalar_t* v_ptr, const int64_t* slots,
                int64_t num_rows, int64_t ctx_len, int64_t head_dim, int64_t stride, float* scores,
                float* accum, bool values) {
   constexpr int NR = kRowsPerBlock<DV>;
@@ -226,9 +295,9 @@ void rows_simd(const float* queries, const scalar_t* k_ptr, const scalar_t* v_pt
     const float* qj = queries + j * head_dim;
     float* sj = scores + j * stride;
     float* aj = accum + j * head_dim;
-#define DSPARK_ROWS(N)                                                                     \
-  if (values) values_simd<scalar_t, DV, N>(sj, v_ptr, slot, ctx_len, stride, aj, head_dim); \
-  else scores_simd<scalar_t, DV, N>(qj, k_ptr, slot, ctx_len, head_dim, stride, sj);
+#define DSPARK_ROWS(N)                                                                      \
+  if (values) values_simd<scalar_t, DV, N>(sj, v_ptr, slots, ctx_len, stride, aj, head_dim); \
+  else scores_simd<Float32Dot<scalar_t>, scalar_t, DV, N>(qj, k_ptr, slots, ctx_len, head_dim, stride, 1.f, sj);
     switch (n) {
       case 1: DSPARK_ROWS(1) break;
       case 2: if constexpr (NR >= 2) { DSPARK_ROWS(2) } break;
@@ -238,6 +307,25 @@ void rows_simd(const float* queries, const scalar_t* k_ptr, const scalar_t* v_pt
 #undef DSPARK_ROWS
   }
 }
+
+#if defined(DSPARK_BF16_DOT)
+// The scores of num_rows bf16 query rows (Bf16Dot), 4 rows a register block.
+template <int DB>
+void score_rows_bf16_dot(const c10::BFloat16* queries, const c10::BFloat16* k_ptr, const int64_t* slots,
+                         int64_t num_rows, int64_t ctx_len, int64_t head_dim, int64_t stride,
+                         float scale, float* scores) {
+  for (int64_t j = 0; j < num_rows; j += 4) {
+    const c10::BFloat16* qj = queries + j * head_dim;
+    float* sj = scores + j * stride;
+    switch (std::min<int64_t>(4, num_rows - j)) {
+      case 1: scores_simd<Bf16Dot, c10::BFloat16, DB, 1>(qj, k_ptr, slots, ctx_len, head_dim, stride, scale, sj); break;
+      case 2: scores_simd<Bf16Dot, c10::BFloat16, DB, 2>(qj, k_ptr, slots, ctx_len, head_dim, stride, scale, sj); break;
+      case 3: scores_simd<Bf16Dot, c10::BFloat16, DB, 3>(qj, k_ptr, slots, ctx_len, head_dim, stride, scale, sj); break;
+      default: scores_simd<Bf16Dot, c10::BFloat16, DB, 4>(qj, k_ptr, slots, ctx_len, head_dim, stride, scale, sj); break;
+    }
+  }
+}
+#endif
 
 template <typename scalar_t>
 constexpr bool kHasSimdPath = std::is_same<scalar_t, float>::value ||
@@ -276,6 +364,8 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
 
   at::parallel_for(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries, scores, accum, row(head_dim), key_tile(head_dim * kTile);
+    std::vector<int64_t> slots;  // [ctx_len] each position's offset in the cache, this KV head's
+    std::vector<c10::BFloat16> queries_bf16;  // [num_rows, head_dim] (the bf16 dot path)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / num_kv_heads;
       const int64_t h = task % num_kv_heads;
@@ -291,6 +381,9 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
       auto slot = [&](int64_t pos) {
         return table[pos / block_size] * kv_block_stride + (pos % block_size) * kv_slot_stride + h * head_dim;
       };
+      // once a task, not once a row block and position (a division by block_size each)
+      slots.resize(ctx_len);
+      for (int64_t pos = 0; pos < ctx_len; ++pos) slots[pos] = slot(pos);
       // queries [num_rows, head_dim] in float32, times the scale; row j = (new token j / group,
       // head h*group + j % group)
       queries.resize(num_rows * head_dim);
@@ -309,24 +402,46 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
       auto simd_rows = [&](bool values) {
         if constexpr (kHasSimdPath<scalar_t>) {
           const float* qs = queries.data();
+          const int64_t* ss = slots.data();
           if (head_dim == 32)
-            rows_simd<scalar_t, 32 / W>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
+            rows_simd<scalar_t, 32 / W>(qs, k_ptr, v_ptr, ss, num_rows, ctx_len, head_dim, stride,
                                         scores.data(), accum.data(), values);
           else if (head_dim == 64)
-            rows_simd<scalar_t, 64 / W>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
+            rows_simd<scalar_t, 64 / W>(qs, k_ptr, v_ptr, ss, num_rows, ctx_len, head_dim, stride,
                                         scores.data(), accum.data(), values);
           else
-            rows_simd<scalar_t, 128 / W>(qs, k_ptr, v_ptr, slot, num_rows, ctx_len, head_dim, stride,
+            rows_simd<scalar_t, 128 / W>(qs, k_ptr, v_ptr, ss, num_rows, ctx_len, head_dim, stride,
                                          scores.data(), accum.data(), values);
         }
       };
+#if defined(DSPARK_BF16_DOT)
+      // bf16 scores by VDPBF16PS from the raw (unscaled) bf16 queries
+      auto bf16_dot_scores = [&] {
+        if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
+          queries_bf16.resize(num_rows * head_dim);
+          for (int64_t j = 0; j < num_rows; ++j)
+            std::copy_n(q_ptr + (q_first + j / group) * q_token_stride + (h * group + j % group) * head_dim,
+                        head_dim, queries_bf16.data() + j * head_dim);
+          const c10::BFloat16* qs = queries_bf16.data();
+          if (head_dim == 32)
+            score_rows_bf16_dot<1>(qs, k_ptr, slots.data(), num_rows, ctx_len, head_dim, stride, fscale, scores.data());
+          else if (head_dim == 64)
+            score_rows_bf16_dot<2>(qs, k_ptr, slots.data(), num_rows, ctx_len, head_dim, stride, fscale, scores.data());
+          else
+            score_rows_bf16_dot<4>(qs, k_ptr, slots.data(), num_rows, ctx_len, head_dim, stride, fscale, scores.data());
+        }
+      };
+      if (simd && std::is_same<scalar_t, c10::BFloat16>::value) {
+        bf16_dot_scores();
+      } else
+#endif
       if (simd) {
         simd_rows(false);
       } else
 #endif
       if (num_rows < kTileRows) {
         for (int64_t pos = 0; pos < ctx_len; ++pos) {
-          load_row(k_ptr + slot(pos), row.data(), head_dim);
+          load_row(k_ptr + slots[pos], row.data(), head_dim);
           // rows that see `pos`: new token index i >= pos - first_pos
           const int64_t first_row = std::max<int64_t>(0, pos - first_pos) * group;
           for (int64_t j = first_row; j < num_rows; ++j) {
@@ -344,7 +459,7 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
           // against it are head_dim multiply-adds of kTile-wide vectors, with no horizontal sums
           const int64_t width = std::min(kTile, ctx_len - tile);
           for (int64_t t = 0; t < width; ++t) {
-            load_row(k_ptr + slot(tile + t), row.data(), head_dim);
+            load_row(k_ptr + slots[tile + t], row.data(), head_dim);
             for (int64_t d = 0; d < head_dim; ++d) key_tile[d * kTile + t] = row[d];
           }
           for (int64_t t = width; t < kTile; ++t)
@@ -364,22 +479,8 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
         }
       }
       // softmax per row over its visible positions, in place
-      for (int64_t j = 0; j < num_rows; ++j) {
-        const int64_t visible = first_pos + j / group + 1;
-        float* __restrict s = scores.data() + j * stride;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < visible; ++p) mx = std::max(mx, s[p]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < visible; ++p) {
-          s[p] = exp_nonpositive(s[p] - mx);
-          sum += s[p];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t p = 0; p < visible; ++p) s[p] *= inv;
-        for (int64_t p = visible; p < ctx_len; ++p) s[p] = 0.f;  // positions the row does not see
-      }
+      for (int64_t j = 0; j < num_rows; ++j)
+        softmax_row(scores.data() + j * stride, first_pos + j / group + 1, ctx_len);
       // accum [num_rows, head_dim] = weights @ values
 #if defined(DSPARK_SIMD)
       if (simd) {
@@ -387,7 +488,7 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
       } else
 #endif
       for (int64_t pos = 0; pos < ctx_len; ++pos) {
-        load_row(v_ptr + slot(pos), row.data(), head_dim);
+        load_row(v_ptr + slots[pos], row.data(), head_dim);
         const int64_t first_row = std::max<int64_t>(0, pos - first_pos) * group;
         for (int64_t j = first_row; j < num_rows; ++j) {
           const float w = scores[j * stride + pos];

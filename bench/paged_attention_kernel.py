@@ -12,10 +12,12 @@ more threads, fewer layers) can. Prints a table with the CPU model and flags and
 JSON line. `--against REV` also compiles the kernel source of git revision REV and times it on
 the same inputs in the same run, interleaved (columns REV ms and speed-up). `--isa-flags=...` builds
 both kernels with compiler flags after -march=native: `--isa-flags=-mno-avx512f` times what an AVX2-only CPU
-runs, on a CPU that also has AVX-512. Usage:
+runs, on a CPU that also has AVX-512. `--against-isa-flags=...` builds the other kernel with its own
+flags; alone, it times this tree's source against itself built so (`=-mno-avx512bf16`: without the
+bf16 dot products). Usage:
     .venv/bin/python bench/paged_attention_kernel.py [--streams 16,128] [--context 128]
         [--new-tokens 1,8] [--dtypes float32,bfloat16] [--threads 1] [--repeats 20]
-        [--against REV] [--isa-flags=-mno-avx512f]
+        [--against REV] [--isa-flags=-mno-avx512f] [--against-isa-flags=-mno-avx512bf16]
 """
 
 from __future__ import annotations
@@ -116,6 +118,10 @@ def main() -> int:
                         help="a git revision whose kernel to time beside this one (e.g. HEAD~1)")
     parser.add_argument("--isa-flags", default="",
                         help='compiler flags for both kernels after -march=native, e.g. --isa-flags=-mno-avx512f')
+    parser.add_argument("--against-isa-flags", default=None,
+                        help="flags for the kernel timed beside this one instead of --isa-flags; with no "
+                             "--against it is this tree's source: --against-isa-flags=-mno-avx512bf16 "
+                             "times the bf16 dot products against the same kernel without them")
     args = parser.parse_args()
     if not cpu_kernel_available():
         print("the paged attention CPU kernel does not build here (no C++ compiler)")
@@ -124,14 +130,18 @@ def main() -> int:
     cpu = cpu_description()
     isa_flags = tuple(args.isa_flags.split())
     ours = kernel_at("", isa_flags) if isa_flags else SimpleNamespace(paged_attention=paged_attention)
-    baseline = kernel_at(args.against, isa_flags) if args.against else None
+    baseline, label = None, ""
+    if args.against or args.against_isa_flags is not None:  # REV's source, or this tree's ("")
+        own_flags = args.against_isa_flags is not None
+        baseline = kernel_at(args.against, tuple(args.against_isa_flags.split()) if own_flags else isa_flags)
+        label = (args.against or "this tree") + (f" {args.against_isa_flags}" if own_flags else "")
     rows = [time_case(s, args.context, n, getattr(torch, d), args.repeats, ours, baseline)
             for d in args.dtypes.split(",") for s in map(int, args.streams.split(","))
             for n in map(int, args.new_tokens.split(","))]
     built = f"; kernels built with {args.isa_flags}" if isa_flags else ""
     print(f"CPU: {cpu['cpu']}, flags {' '.join(cpu['flags'])}; {args.threads} thread(s); "
           f"context {args.context} tokens a stream{built}\n")
-    against = f" | {args.against} ms | speed-up" if baseline else ""
+    against = f" | {label} ms | speed-up" if baseline else ""
     print(f"| dtype | streams | new tokens | kernel ms (one layer) | K/V MB | kernel GB/s | "
           f"copy GB/s{against} |")
     print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if baseline else ""))
@@ -140,7 +150,7 @@ def main() -> int:
         print(f"| {r['dtype']} | {r['streams']} | {r['new_tokens']} | {r['kernel_ms']} | "
               f"{r['kv_mb']} | {r['kernel_gb_s']} | {r['copy_gb_s']}{extra} |")
     print(json.dumps({"bench": "paged_attention_kernel", "cpu": cpu["cpu"], "flags": cpu["flags"],
-                      "threads": args.threads, "against": args.against or None,
+                      "threads": args.threads, "against": label or None,
                       "isa_flags": args.isa_flags or None, "rows": rows}))
     return 0
 

@@ -195,7 +195,6 @@ using vec = Isa::vec;
 constexpr int W = Isa::kLanes;
 static_assert(kTile % W == 0, "a row of scores is padded to whole vectors");
 
-
 // keys[t] = the key of position tile + t; a tile's positions past the context repeat its last
 // key, so that every tile is a whole one (their scores, past ctx_len, are never read).
 template <typename scalar_t>
@@ -205,7 +204,8 @@ DSPARK_INLINE void tile_keys(const scalar_t* k_ptr, const int64_t* slots, int64_
 }
 
 // How scores_simd multiplies a query row by a key, DotT::kWidth numbers a register:
-// Float32Dot widens the keys to float32 and multiply-adds W lanes (queries in float32).
+// Float32Dot loads the keys as float32 (widening bf16 ones) and multiply-adds W lanes, the
+// queries in float32 and already scaled.
 template <typename scalar_t>
 struct Float32Dot {
   using query_t = float;
@@ -361,6 +361,12 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
 #if defined(DSPARK_SIMD)
   const bool simd = kHasSimdPath<scalar_t> && (head_dim == 32 || head_dim == 64 || head_dim == 128);
 #endif
+#if defined(DSPARK_BF16_DOT)
+  // scores from the raw bf16 queries (Bf16Dot): the float32 queries are not needed
+  const bool bf16_dot = simd && std::is_same<scalar_t, c10::BFloat16>::value;
+#else
+  const bool bf16_dot = false;
+#endif
 
   at::parallel_for(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries, scores, accum, row(head_dim), key_tile(head_dim * kTile);
@@ -386,8 +392,8 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
       for (int64_t pos = 0; pos < ctx_len; ++pos) slots[pos] = slot(pos);
       // queries [num_rows, head_dim] in float32, times the scale; row j = (new token j / group,
       // head h*group + j % group)
-      queries.resize(num_rows * head_dim);
-      for (int64_t j = 0; j < num_rows; ++j) {
+      queries.resize(bf16_dot ? 0 : num_rows * head_dim);
+      for (int64_t j = 0; j < num_rows && !bf16_dot; ++j) {
         const scalar_t* src = q_ptr + (q_first + j / group) * q_token_stride + (h * group + j % group) * head_dim;
         float* dst = queries.data() + j * head_dim;
         load_row(src, dst, head_dim);
@@ -431,7 +437,7 @@ void paged_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache
             score_rows_bf16_dot<4>(qs, k_ptr, slots.data(), num_rows, ctx_len, head_dim, stride, fscale, scores.data());
         }
       };
-      if (simd && std::is_same<scalar_t, c10::BFloat16>::value) {
+      if (bf16_dot) {
         bf16_dot_scores();
       } else
 #endif

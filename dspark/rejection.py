@@ -36,6 +36,7 @@ import torch
 
 from dspark.sampling import (
     SamplingParams,
+    argmax_first,
     SamplingTensors,
     probs_from_logits,
     sample_from_probs,
@@ -189,9 +190,14 @@ def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
     target_row_of_draft = draft_rows + req_of_draft  # [num_drafts]
 
     # p^t_k(x_k) for every draft, without building the full distributions of accepted rows.
+    request_sampling = SamplingTensors.from_params(batch.sampling, device=device)
+    greedy = request_sampling.temperature == 0.0  # [num_requests]
+    # Every row's argmax, once, when a request is greedy: its drafts' test and its next token.
+    row_argmax = argmax_first(batch.target_logits, dim=1) if bool(greedy.any()) else None
     draft_sampling = SamplingTensors.from_params(batch.sampling, repeats=draft_lens, device=device)
     p_target = token_probs_from_logits(batch.target_logits, batch.draft_tokens, draft_sampling,
-                                       rows=target_row_of_draft)  # [num_drafts]
+                                       rows=target_row_of_draft,
+                                       row_argmax=row_argmax)  # [num_drafts]
     p_draft = draft_prob_of_tokens(batch.draft_probs, batch.draft_tokens)  # [num_drafts]
     if bool((p_draft <= 0).any()):
         raise ValueError("a draft token has zero probability under its draft distribution: "
@@ -206,9 +212,8 @@ def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
     # The next token comes from the residual at the first rejection, or from p^t_{l+1} (bonus).
     # Greedy requests: the argmax either way (a rejected greedy draft is never the argmax).
     next_rows = draft_start + num_accepted + request_ids  # [num_requests] target rows
-    request_sampling = SamplingTensors.from_params(batch.sampling, device=device)
-    greedy = request_sampling.temperature == 0.0  # [num_requests]
-    next_tokens = batch.target_logits[next_rows].argmax(dim=1)  # [num_requests]
+    next_tokens = (row_argmax[next_rows] if row_argmax is not None
+                   else torch.zeros(num_requests, dtype=torch.int64, device=device))
     sampled = ~greedy
     if bool(sampled.any()):
         sub = SamplingTensors(request_sampling.temperature[sampled], request_sampling.top_k[sampled],

@@ -6,6 +6,7 @@ import torch
 from dspark.sampling import (
     SamplingParams,
     SamplingTensors,
+    argmax_first,
     probs_from_logits,
     sample_from_probs,
     token_probs_from_logits,
@@ -123,6 +124,35 @@ def test_token_probs_equal_the_full_distribution_gathered():
     full = probs_from_logits(logits, sampling).gather(1, tokens.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(token_probs_from_logits(logits, tokens, sampling), full,
                                atol=1e-7, rtol=1e-5)
+    # every plain row at T = 1 (the path that reads the logits in place) and greedy rows beside
+    plain = [SamplingParams(temperature=1.0)] * 5 + [SamplingParams(temperature=0.0)]
+    plain_sampling = SamplingTensors.from_params(plain)
+    plain_full = probs_from_logits(logits[:6], plain_sampling).gather(
+        1, tokens[:6].unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(token_probs_from_logits(logits[:6], tokens[:6], plain_sampling),
+                               plain_full, atol=1e-7, rtol=1e-5)
+    # the caller's every-row argmax, as rejection.verify passes it, gives the same
+    torch.testing.assert_close(token_probs_from_logits(logits, tokens, sampling,
+                                                       row_argmax=logits.argmax(dim=1)), full,
+                               atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_first_is_argmax_on_ties_nan_and_inf(dtype):
+    """The brute-force reference is torch.argmax itself: the first maximum, a NaN counting as it."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        rows, vocab = int(torch.randint(1, 70, (1,), generator=g)), int(torch.randint(1, 5000, (1,), generator=g))
+        x = torch.randint(-3, 4, (rows, vocab), generator=g).to(dtype)  # many ties
+        if trial % 3 == 0:
+            x[0, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+        if trial % 4 == 0:
+            x[-1] = float("-inf")
+        assert torch.equal(argmax_first(x, dim=1), torch.argmax(x, dim=1))
+        assert torch.equal(argmax_first(x, dim=0), torch.argmax(x, dim=0))
+        assert torch.equal(argmax_first(x.view(1, rows, vocab)), torch.argmax(x.view(1, rows, vocab), dim=-1))
+    tie = torch.tensor([[0.0, 2.0, 2.0, 1.0]], dtype=dtype)
+    assert argmax_first(tie).tolist() == [1]
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-37, 1e-20, 1e-6])

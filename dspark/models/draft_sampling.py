@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from dspark.models.draft_types import DraftBlock, DraftRequest
-from dspark.sampling import SamplingTensors, probs_from_logits, sample_from_probs
+from dspark.sampling import SamplingTensors, argmax_first, probs_from_logits, sample_from_probs
 
 
 @dataclass
@@ -108,7 +108,7 @@ def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.T
     """
     R, _ = logits.shape
     if plan.all_greedy:  # argmax, lowest index on ties (as dspark.sampling)
-        tokens = logits.argmax(dim=1)
+        tokens = argmax_first(logits, dim=1)
         return PositionSample(tokens, tokens.unsqueeze(1), logits.new_ones(R, 1), None)
     tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
     sparse_indices = sparse_probs = dense_probs = None
@@ -117,7 +117,7 @@ def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.T
         values, sparse_indices = torch.topk(sub, plan.beyond_k.shape[1], dim=1)  # sorted desc
         greedy = plan.sparse_greedy
         if bool(greedy.any()):  # argmax with the lowest index on ties
-            sparse_indices[greedy, 0] = sub[greedy].argmax(dim=1)
+            sparse_indices[greedy, 0] = argmax_first(sub[greedy], dim=1)
         values = values.masked_fill(plan.beyond_k, float("-inf"))
         sparse_probs = probs_from_logits(values, plan.sparse_params)  # greedy: one-hot at slot 0
         pick = sample_from_probs(sparse_probs, _select(plan.sparse_index, uniforms))

@@ -29,6 +29,7 @@ from dspark.models.loader import load_model, resolve_dtype
 from dspark.models.packed_linear import packing_available
 from dspark.models.paged_attention import LONG_QUERY_MIN_TOKENS, cpu_kernel_available
 from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
+from dspark.sampling import argmax_first
 
 __all__ = ["RunnerConfig", "ForwardItem", "ForwardOutput", "TargetRunner", "KVCacheFull",
            "generate_greedy"]
@@ -422,7 +423,7 @@ def generate_greedy(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_
         active = list(range(len(prompts)))
         items = [ForwardItem(request_ids[i], list(prompts[i])) for i in active]
         while active:
-            next_tokens = runner.forward(items).logits.argmax(dim=-1).tolist()
+            next_tokens = argmax_first(runner.forward(items).logits).tolist()
             still = []
             for i, tok in zip(active, next_tokens):
                 outputs[i].append(tok)

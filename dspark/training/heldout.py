@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark.sampling import argmax_first
 from dspark.training.batches import Example, block_labels, make_batch, sample_anchors
 
 
@@ -56,7 +57,7 @@ class HeldoutEvaluator:
                 max=input_ids.shape[1] - 1)  # [B, N, gamma]
             rows = final_hidden.gather(1, pos.view(B, -1, 1).expand(-1, -1, final_hidden.shape[-1]))
             p_t = self.teacher.probs(rows.view(B, N, self.gamma, -1), 1.0)  # [B, N, gamma, V]
-            target_argmax = p_t.argmax(-1)  # [B, N, gamma]: the target's greedy token
+            target_argmax = argmax_first(p_t)  # [B, N, gamma]: the target's greedy token
             outside = 0.0
             if self.draft_ids is not None:
                 p_t = p_t[..., self.draft_ids]
@@ -64,7 +65,7 @@ class HeldoutEvaluator:
             logits = model.forward_train(input_ids, features.float(), anchors, labels).draft_logits
             p_d = torch.softmax(logits.float(), dim=-1)  # [B, N, gamma, V_d]
             accept_t1 = (1.0 - 0.5 * ((p_d - p_t).abs().sum(-1) + outside)).clamp(0.0, 1.0)
-            draft_argmax = p_d.argmax(-1)
+            draft_argmax = argmax_first(p_d)
             if self.draft_ids is not None:
                 draft_argmax = self.draft_ids[draft_argmax]
             accept_greedy = (draft_argmax == target_argmax).float()

@@ -57,6 +57,7 @@ from dspark.training.batches import (
     select_draft_vocab,
 )
 from dspark.methods import DrafterKind
+from dspark.sampling import argmax_first
 from dspark.training.heldout import HeldoutEvaluator
 from dspark.training.losses import LossConfig, LossTerms, drafter_losses
 from dspark.training.markov_init import init_markov_head_from_bigrams
@@ -256,7 +257,7 @@ class TargetTeacher:
         logits = torch.nn.functional.linear(final_hidden, self.lm_head_weight.to(final_hidden.dtype))
         logits = logits.float()
         if temperature == 0.0:
-            return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+            return torch.zeros_like(logits).scatter_(-1, argmax_first(logits).unsqueeze(-1), 1.0)
         return torch.softmax(logits / temperature, dim=-1)
 
 

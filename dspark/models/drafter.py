@@ -390,23 +390,26 @@ class DSparkDrafter(FrozenTargetHead):
         prev = anchor_tok  # target ids
         state = (self.markov_head.initial_state((R,), hn)
                  if self.markov_head is not None else None)
-        samples, confidences = [], []
+        samples, w1_prevs = [], []
         for k in range(n):
             logits_k = base[:, k]  # [R, V_d]
-            w1_prev = None
             if self.markov_head is not None:
                 bias, state, w1_prev = self.markov_head.step(prev, hn[:, k], state)
                 logits_k = logits_k + bias.float()
-            conf_logit = self._confidence_logits(hn[:, k], w1_prev)  # before x_k exists
-            if conf_logit is None:
-                confidences.append(torch.full((R,), float("nan"), device=device))
-            else:
-                confidences.append(torch.sigmoid(conf_logit / conf_t[..., k] + conf_b[..., k]))
+                w1_prevs.append(w1_prev)  # [R, r]: W1[x_{k-1}]
             u_k = None if uniforms is None else uniforms[:, k]
             sample = sample_block_position(logits_k, plan, u_k)
             samples.append(sample)
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
-        return assemble_blocks(plan, samples, torch.stack(confidences, dim=1),
+        # c_k reads norm(h_k) and W1[x_{k-1}], never x_k: one product for every position, after
+        # the loop that drew them, instead of one a position.
+        w1_block = torch.stack(w1_prevs, dim=1) if w1_prevs else None  # [R, n, r]
+        conf_logits = self._confidence_logits(hn, w1_block)  # [R, n]
+        if conf_logits is None:
+            confidences = torch.full((R, n), float("nan"), device=device)
+        else:
+            confidences = torch.sigmoid(conf_logits / conf_t[..., :n] + conf_b[..., :n])
+        return assemble_blocks(plan, samples, confidences,
                                self.draft_to_target if reduced else None)
 
 

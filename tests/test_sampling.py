@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dspark.sampling import (
+    TOP_P_CANDIDATES,
     SamplingParams,
     SamplingTensors,
     argmax_first,
@@ -101,17 +102,23 @@ def test_inverse_cdf_sampling_is_exact_and_skips_zero_mass():
     assert edge.tolist() == [1, 4]
 
 
-def test_wide_nucleus_falls_back_to_a_full_sort():
-    # 1000 nearly flat tokens: the 0.9 nucleus spans far more than the partial-sort candidates.
+def test_wide_nuclei_take_the_wider_partial_sort_or_a_full_sort():
+    # 6000 tokens: a nearly flat row whose 0.9 nucleus is wider than every partial sort (a full
+    # sort), a row whose nucleus needs the second width, a peaked row that the first width serves.
     g = torch.Generator().manual_seed(2)
-    logits = torch.randn(3, 1000, generator=g) * 0.1
-    logits[1] *= 100  # a peaked row in the same batch takes the fast path
-    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.5)]
+    logits = torch.randn(4, 6000, generator=g) * 0.1
+    logits[1] *= 100
+    logits[3] = torch.randn(6000, generator=g) * 2.5
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.5),
+              SamplingParams(top_p=0.9)]
     probs = probs_from_logits(logits, SamplingTensors.from_params(params))
     for row, p in enumerate(params):
         expected = torch.tensor(reference_probs(logits[row].tolist(), p), dtype=torch.float64)
         torch.testing.assert_close(probs[row].double(), expected, atol=1e-6, rtol=1e-4)
-    assert int((probs[0] > 0).sum()) > 800
+    first, second = TOP_P_CANDIDATES
+    assert int((probs[0] > 0).sum()) > second
+    assert first < int((probs[3] > 0).sum()) <= second
+    assert int((probs[1] > 0).sum()) <= first
 
 
 def test_token_probs_equal_the_full_distribution_gathered():

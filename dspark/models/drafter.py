@@ -101,14 +101,17 @@ class FrozenTargetHead(nn.Module):
 
     def pack_for_inference(self) -> None:
         """Multiply with oneDNN-packed weights from now on (a CPU, float32 or bf16 where oneDNN
-        supports it; see `dspark.models.packed_linear`): every nn.Linear, and the
-        (draft-vocabulary) LM head.
+        supports it; see `dspark.models.packed_linear`): every nn.Linear, the (draft-vocabulary)
+        LM head, and the attention's q/k/v and the MLP's gate/up fused into one product each.
         Inference only; a no-op elsewhere. Call after `set_target_weights`."""
         self._check_ready()
         if not packing_available(self.lm_head_weight.device, self.lm_head_weight.dtype):
             return
         pack_linears(self)
         self.packed_lm_head = pack_weight(self.lm_head_weight)
+        for module in self.modules():  # q/k/v and gate/up: one product each (drafter_layers)
+            if hasattr(module, "pack_fused"):
+                module.pack_fused()
 
 
 class DSparkDrafter(FrozenTargetHead):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.drafter_config import DrafterConfig
+from dspark.models.packed_linear import pack_weight, packed_linear
 from dspark.models.transformer import RMSNorm, apply_rope
 
 if TYPE_CHECKING:
@@ -54,23 +55,57 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.qkv_packed: torch.Tensor | None = None
+        """Inference on a CPU (`pack_fused`): [q; k; v] weights in one oneDNN-packed product."""
+        self.kv_packed: torch.Tensor | None = None
+        """The same for [k; v] (the context's projection)."""
+
+    def pack_fused(self) -> None:
+        """Inference only (no autograd): q, k and v in one packed product, and k and v in another,
+        instead of one product each (a third of the calls; at 8 rows 37 against 82 us)."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        self.qkv_packed = pack_weight(torch.cat([q.weight, k.weight, v.weight]))
+        self.kv_packed = pack_weight(torch.cat([k.weight, v.weight]))
+        self.qkv_bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
+        self.kv_bias = None if k.bias is None else torch.cat([k.bias, v.bias])
+
+    def _finish_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected k, v [B, n, num_kv_heads * head_dim] -> [B, num_kv_heads, n, head_dim], k normed
+        and rotated (cos/sin [B, n, head_dim])."""
+        B, n, _ = k.shape
+        k = self.k_norm(k.view(B, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos.unsqueeze(1), sin.unsqueeze(1)), v  # cos/sin [B, 1, n, head_dim]
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, n, hidden] -> k, v [B, num_kv_heads, n, head_dim] (k normed and rotated)."""
-        B, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos.unsqueeze(1), sin.unsqueeze(1)), v  # cos/sin [B, 1, n, head_dim]
+        if self.kv_packed is None:
+            return self._finish_kv(self.k_proj(x), self.v_proj(x), cos, sin)
+        k, v = packed_linear(x, self.kv_packed, self.kv_bias).chunk(2, dim=-1)
+        return self._finish_kv(k, v, cos, sin)
+
+    def _project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, Q, hidden] -> q [B, heads, Q, head_dim] (normed, rotated) and project_kv's k, v."""
+        B, Q, _ = x.shape
+        if self.qkv_packed is None:
+            q, (k, v) = self.q_proj(x), (self.k_proj(x), self.v_proj(x))
+        else:
+            kv_size = self.num_kv_heads * self.head_dim
+            q, k, v = packed_linear(x, self.qkv_packed, self.qkv_bias).split(
+                [self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [B, heads, Q, head_dim]
+        return (q, *self._finish_kv(k, v, cos, sin))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, Q, hidden] (after input_layernorm); cos/sin [B, Q, head_dim] at block positions;
         ctx_k/ctx_v [B, num_kv_heads, L, head_dim]; mask [B, Q, L + Q] bool (True = attend)."""
         B, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [B, heads, Q, head_dim]
-        k_blk, v_blk = self.project_kv(x, cos, sin)  # [B, kv_heads, Q, head_dim]
+        q, k_blk, v_blk = self._project_qkv(x, cos, sin)  # [B, heads or kv_heads, Q, head_dim]
         k = torch.cat([ctx_k, k_blk], dim=2)  # [B, kv_heads, L + Q, head_dim]
         v = torch.cat([ctx_v, v_blk], dim=2)
         assert mask.shape == (B, Q, k.shape[2]), (mask.shape, B, Q, k.shape)
@@ -85,9 +120,7 @@ class DrafterAttention(nn.Module):
         plus its block, read in place (the block's keys/values go to the context's scratch slots).
         masks[r]: [Q, L_r + Q] bool or None (= everything visible)."""
         R, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(R, Q, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))  # [R, heads, Q, head_dim]
-        k_blk, v_blk = self.project_kv(x, cos, sin)  # [R, kv_heads, Q, head_dim]
+        q, k_blk, v_blk = self._project_qkv(x, cos, sin)  # [R, heads or kv_heads, Q, head_dim]
         gqa = self.num_heads != self.num_kv_heads
         outs = []
         for r, ctx in enumerate(contexts):  # requests in order: duplicates are safe
@@ -110,9 +143,19 @@ class DrafterMLP(nn.Module):
         self.gate_proj = nn.Linear(d, inter, bias=False)
         self.up_proj = nn.Linear(d, inter, bias=False)
         self.down_proj = nn.Linear(inter, d, bias=False)
+        self.gate_up_packed: torch.Tensor | None = None
+        """Inference on a CPU (`pack_fused`): [gate; up] weights in one oneDNN-packed product."""
+
+    def pack_fused(self) -> None:
+        """Inference only (no autograd): gate and up in one packed product."""
+        self.gate_up_packed = pack_weight(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_packed is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = packed_linear(x, self.gate_up_packed, None).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterLayer(nn.Module):

@@ -439,6 +439,8 @@ def test_packed_for_inference_drafts_the_same_blocks(head):
     models = [make_drafter(head, draft_ids=draft_ids, bias_std=3.0) for _ in range(2)]
     models[1].pack_for_inference()
     assert models[1].packed_lm_head is not None
+    for layer in models[1].layers:  # q/k/v and gate/up as one product each
+        assert layer.self_attn.qkv_packed is not None and layer.mlp.gate_up_packed is not None
     ids, feats = sequence()
     blocks = []
     for model in models:

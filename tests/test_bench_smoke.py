@@ -54,6 +54,12 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     # The training-based probes read the teacher's features below its final layer (which
     # transformers already normalises), so their drafter takes layers 0-2 of the 4.
     save_drafter(tiny_dspark(1, target_layer_ids=[0, 1, 2]), root / "probe_drafter")
+    # A drafter with a reduced draft vocabulary (the even ids), as the shipped one has.
+    reduced = tiny_dspark(2, draft_vocab_size=VOCAB // 2)
+    hidden = reduced.config.hidden_size
+    reduced.set_target_weights(torch.randn(VOCAB, hidden), torch.randn(VOCAB, hidden),
+                               draft_token_ids=torch.arange(0, VOCAB, 2))
+    save_drafter(reduced, root / "reduced_drafter")
 
     eval_dir = root / "eval"
     eval_dir.mkdir()
@@ -77,7 +83,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return {"target": models.target_dir, "checkpoints": checkpoints,
             "drafter": checkpoints / "dspark-markov", "probe_drafter": root / "probe_drafter",
             "cost_table": models.cost_table, "eval": eval_dir, "data": data, "out": root / "out",
-            "train": train_dir}
+            "train": train_dir, "reduced_drafter": root / "reduced_drafter"}
 
 
 def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
@@ -133,6 +139,9 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
         "served_vs_teacher_forced.py": ["--model-dir", t, "--checkpoint", str(p["probe_drafter"]),
                                         "--data", str(p["data"]), "--prompts", "2", "--max-tokens",
                                         "12", *one],
+        "draft_vocab_coverage.py": ["--checkpoint", str(p["reduced_drafter"]), "--answers",
+                                    str(p["data"]), "--sizes", "40", "--widened-out",
+                                    str(p["out"] / "widened")],
         "drafter_attention_probe.py": ["--model-dir", t, "--checkpoint", str(p["probe_drafter"]),
                                        "--data", str(p["data"]), "--qk-scales", "1", *one],
     }[script]
@@ -146,7 +155,8 @@ def test_every_bench_script_is_smoked_or_exempt_with_a_reason():
     smoked = [s for s in scripts() if s not in EXEMPT]
     for script in smoked:
         tiny_argv(script, {k: Path(k) for k in ("target", "checkpoints", "drafter", "probe_drafter",
-                                                 "cost_table", "eval", "data", "out", "train")})
+                                                 "cost_table", "eval", "data", "out", "train",
+                                                 "reduced_drafter")})
     assert set(EXEMPT) <= set(scripts())
     assert all(reason for reason in EXEMPT.values())
 
@@ -167,3 +177,32 @@ def test_bench_script_runs_on_tiny_sizes(script, tiny, monkeypatch, capsys):
     assert lines, f"{script} printed nothing"
     summary = json.loads(lines[-1])  # a benchmark ends with one JSON line
     assert summary["bench"] == script.removesuffix(".py")
+
+
+def test_widened_draft_vocabulary_keeps_the_drafter_and_loads(tiny, tmp_path, monkeypatch):
+    """bench/draft_vocab_coverage.py's widened copy: the drafter's ids plus the most frequent
+    answer tokens outside them, its Markov rows kept and zero rows added, loadable as a drafter."""
+    from collections import Counter
+
+    from dspark.models.drafter_io import load_drafter, read_checkpoint
+    from loadtest.tiny_models import VOCAB
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import draft_vocab_coverage as coverage
+
+    ids = torch.arange(0, VOCAB, 2)  # the reduced drafter's vocabulary
+    wider = coverage.widened_ids(ids, Counter({5: 9, 3: 4, 2: 50, 7: 1}), VOCAB // 2 + 3)
+    assert wider.tolist() == sorted(ids.tolist() + [3, 5, 7])  # 2 is inside already
+    coverage.write_widened(tiny["reduced_drafter"], tmp_path / "wide", wider)
+    hidden = read_checkpoint(tiny["reduced_drafter"])[0].hidden_size
+    embed, head = torch.randn(VOCAB, hidden), torch.randn(VOCAB, hidden)
+    narrow, wide = (load_drafter(d, embed, head) for d in (tiny["reduced_drafter"], tmp_path / "wide"))
+    assert wide.config.draft_vocab_size == wider.numel()
+    assert torch.equal(wide.draft_to_target, wider)
+    w2_narrow = narrow.markov_head.markov_w2.weight  # [V_d, r]
+    w2_wide = wide.markov_head.markov_w2.weight  # [V_d + 3, r]
+    kept = torch.searchsorted(wider, ids)
+    assert torch.equal(w2_wide[kept], w2_narrow)
+    added = torch.ones(wider.numel(), dtype=torch.bool)
+    added[kept] = False
+    assert not bool(w2_wide[added].any())

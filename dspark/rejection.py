@@ -36,8 +36,8 @@ import torch
 
 from dspark.sampling import (
     SamplingParams,
-    argmax_first,
     SamplingTensors,
+    argmax_first,
     probs_from_logits,
     sample_from_probs,
     token_probs_from_logits,

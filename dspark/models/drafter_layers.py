@@ -59,6 +59,8 @@ class DrafterAttention(nn.Module):
         """Inference on a CPU (`pack_fused`): [q; k; v] weights in one oneDNN-packed product."""
         self.kv_packed: torch.Tensor | None = None
         """The same for [k; v] (the context's projection)."""
+        self.qkv_bias: torch.Tensor | None = None
+        self.kv_bias: torch.Tensor | None = None
 
     def pack_fused(self) -> None:
         """Inference only (no autograd): q, k and v in one packed product, and k and v in another,
@@ -91,7 +93,7 @@ class DrafterAttention(nn.Module):
         """x [B, Q, hidden] -> q [B, heads, Q, head_dim] (normed, rotated) and project_kv's k, v."""
         B, Q, _ = x.shape
         if self.qkv_packed is None:
-            q, (k, v) = self.q_proj(x), (self.k_proj(x), self.v_proj(x))
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv_size = self.num_kv_heads * self.head_dim
             q, k, v = packed_linear(x, self.qkv_packed, self.qkv_bias).split(

@@ -25,19 +25,34 @@ Flattened batch layout (no padding): request r owns draft rows
 Randomness is explicit (`RandomDraws`): one uniform per draft for the accept test and one per
 request for the recovered/bonus sample, so the batched `verify` and the per-request
 `verify_reference` can be held equal on the same draws.
+
+`VerificationRule.BLOCK` verifies the sampled requests' blocks as a whole instead
+(`dspark.block_verification`): the same draws, the same output distribution, at least as many
+accepted drafts in expectation. Greedy requests follow the token rule under both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Sequence, Union
 
 import torch
 
+from dspark.block_verification import (
+    BlockOutcome,
+    acceptance_weights,
+    accepted_lengths,
+    block_residual,
+    block_verify_reference,
+    residual_masses,
+    weights_before,
+)
 from dspark.sampling import (
     SamplingParams,
     SamplingTensors,
     argmax_first,
+    probs_at_columns,
     probs_from_logits,
     sample_from_probs,
     token_probs_from_logits,
@@ -51,6 +66,13 @@ class SparseDraftProbs:
     indices: torch.Tensor  # [num_drafts, k] int64 token ids
     probs: torch.Tensor  # [num_drafts, k] float
 
+    @property
+    def shared_support(self) -> torch.Tensor | None:
+        """[k] the ids of every row, when `indices` is one row expanded (stride 0), else None."""
+        if self.indices.shape[0] > 0 and self.indices.stride(0) == 0:
+            return self.indices[0]
+        return None
+
     def prob_of(self, tokens: torch.Tensor) -> torch.Tensor:
         """p^d(token) per row; tokens [num_drafts] -> [num_drafts] (0 where not in the support)."""
         hit = self.indices == tokens.unsqueeze(1)  # [num_drafts, k]
@@ -63,6 +85,15 @@ class SparseDraftProbs:
 
 
 DraftProbs = Union[torch.Tensor, SparseDraftProbs]
+
+
+class VerificationRule(str, Enum):
+    """How a sampled request's drafts are accepted (greedy requests: the token rule always)."""
+
+    TOKEN = "token"
+    """Token by token, stopping at the first rejection (DESIGN.md section 5)."""
+    BLOCK = "block"
+    """The accepted prefix of the whole block at once (dspark.block_verification)."""
 
 
 @dataclass
@@ -177,7 +208,8 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_probs)
 
 
-def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
+def verify(batch: VerifyBatch, draws: RandomDraws,
+           rule: VerificationRule = VerificationRule.TOKEN) -> VerifyResult:
     """Batched lossless rejection sampling over a flattened batch (the fast path)."""
     draft_lens = batch.draft_lens
     num_requests, vocab_size = batch.num_requests, batch.vocab_size
@@ -189,21 +221,29 @@ def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
     pos_in_request = draft_rows - draft_start[req_of_draft]  # [num_drafts], 0-based k-1
     target_row_of_draft = draft_rows + req_of_draft  # [num_drafts]
 
-    # p^t_k(x_k) for every draft, without building the full distributions of accepted rows.
+    # p^t_k(x_k) for every draft the token rule tests, without building the full distributions
+    # of accepted rows (under the block rule: the greedy requests' drafts only).
     request_sampling = SamplingTensors.from_params(batch.sampling, device=device)
     greedy = request_sampling.temperature == 0.0  # [num_requests]
+    sampled = ~greedy
+    by_blocks = rule is VerificationRule.BLOCK and bool(sampled.any())
+    tested = greedy[req_of_draft] if by_blocks else None  # [num_drafts] bool, None = all
     # Every row's argmax, once, when a request is greedy: its drafts' test and its next token.
     row_argmax = argmax_first(batch.target_logits, dim=1) if bool(greedy.any()) else None
     draft_sampling = SamplingTensors.from_params(batch.sampling, repeats=draft_lens, device=device)
-    p_target = token_probs_from_logits(batch.target_logits, batch.draft_tokens, draft_sampling,
-                                       rows=target_row_of_draft,
-                                       row_argmax=row_argmax)  # [num_drafts]
     p_draft = draft_prob_of_tokens(batch.draft_probs, batch.draft_tokens)  # [num_drafts]
     if bool((p_draft <= 0).any()):
         raise ValueError("a draft token has zero probability under its draft distribution: "
                          "draft_probs must be the distribution the token was sampled from")
-    # Accept x_k iff u_k < p^t_k(x_k) / p^d_k(x_k), written without the division.
-    accepted = draws.accept_uniform.to(device) * p_draft < p_target  # [num_drafts]
+    accepted = torch.ones_like(p_draft, dtype=torch.bool)  # [num_drafts]
+    if tested is None or bool(tested.any()):
+        sel = slice(None) if tested is None else tested
+        p_target = token_probs_from_logits(
+            batch.target_logits, batch.draft_tokens[sel],
+            draft_sampling if tested is None else draft_sampling.select(tested),
+            rows=target_row_of_draft[sel], row_argmax=row_argmax)  # [tested drafts]
+        # Accept x_k iff u_k < p^t_k(x_k) / p^d_k(x_k), written without the division.
+        accepted[sel] = draws.accept_uniform.to(device)[sel] * p_draft[sel] < p_target
 
     # Accepted prefix length = position of the first rejection (l_r when none).
     reject_pos = torch.where(accepted, draft_lens[req_of_draft], pos_in_request)  # [num_drafts]
@@ -214,10 +254,12 @@ def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
     next_rows = draft_start + num_accepted + request_ids  # [num_requests] target rows
     next_tokens = (row_argmax[next_rows] if row_argmax is not None
                    else torch.zeros(num_requests, dtype=torch.int64, device=device))
-    sampled = ~greedy
-    if bool(sampled.any()):
-        sub = SamplingTensors(request_sampling.temperature[sampled], request_sampling.top_k[sampled],
-                              request_sampling.top_p[sampled])
+    if by_blocks:
+        outcome = _verify_sampled_blocks(batch, draws, sampled, p_draft)
+        num_accepted[sampled] = outcome.num_accepted
+        next_tokens[sampled] = outcome.next_tokens
+    elif bool(sampled.any()):
+        sub = request_sampling.select(sampled)
         next_dist = probs_from_logits(batch.target_logits[next_rows[sampled]], sub)  # [m, V]
         rejected = (num_accepted < draft_lens)[sampled]  # [m]
         if bool(rejected.any()):
@@ -230,8 +272,75 @@ def verify(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
     return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
 
 
-def verify_reference(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
-    """Slow, obviously-correct per-request loop: DESIGN.md section 5 read literally."""
+def draft_support(draft_probs: DraftProbs, rows: torch.Tensor, vocab_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected draft rows on their support: (token ids [n, k], probabilities [n, k]); a
+    dense row's support is the whole vocabulary."""
+    every_row = rows.shape[0] == (draft_probs.indices.shape[0] if isinstance(
+        draft_probs, SparseDraftProbs) else draft_probs.shape[0])  # rows are then 0..n-1
+    if isinstance(draft_probs, SparseDraftProbs):
+        if every_row:
+            return draft_probs.indices, draft_probs.probs.float()
+        return draft_probs.indices[rows], draft_probs.probs[rows].float()
+    ids = torch.arange(vocab_size, device=rows.device).expand(rows.shape[0], -1)
+    return ids, (draft_probs if every_row else draft_probs[rows]).float()
+
+
+def _at_token_columns(values: torch.Tensor, support: torch.Tensor, q_support: torch.Tensor,
+                      tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """values [n, k] on the support [n, k] read at each row's token [n]: the token's one column
+    with Q > 0 (padding repeats token 0 with Q = 0) -> [n]."""
+    if support.shape[0] > 0 and support.stride(0) == 0:  # one support row for all
+        column_of = torch.full((vocab_size,), 0, dtype=torch.int64, device=support.device)
+        column_of[support[0]] = torch.arange(support.shape[1], device=support.device)
+        return values.gather(1, column_of[tokens].unsqueeze(1)).squeeze(1)
+    hit = (support == tokens.unsqueeze(1)) & (q_support > 0)  # [n, k]
+    return (values * hit).sum(dim=1)
+
+
+def _verify_sampled_blocks(batch: VerifyBatch, draws: RandomDraws, sampled: torch.Tensor,
+                           p_draft: torch.Tensor) -> BlockOutcome:
+    """Block verification (dspark.block_verification) of the requests where `sampled`
+    [num_requests] is True; p_draft [num_drafts]: p^d_k(x_k) of every draft. The residual masses
+    read the target's distribution on each draft's support only."""
+    device = batch.target_logits.device
+    request_ids = torch.arange(batch.num_requests, device=device)
+    lens = batch.draft_lens[sampled]  # [m]
+    req_of_draft = torch.repeat_interleave(request_ids, batch.draft_lens)  # [num_drafts]
+    rows = sampled[req_of_draft].nonzero().squeeze(1)  # [n_d] their draft rows
+    target_rows = rows + req_of_draft[rows]  # [n_d] P_i of each draft
+    request_sampling = SamplingTensors.from_params(batch.sampling, device=device)
+    draft_sampling = request_sampling.select(sampled).repeat(lens)  # [n_d]
+    support, q_support = draft_support(batch.draft_probs, rows, batch.vocab_size)  # [n_d, k]
+    tokens = batch.draft_tokens[rows]  # [n_d]
+    p_support = probs_at_columns(batch.target_logits, support, draft_sampling,
+                                 target_rows)  # [n_d, k]
+    p_token = _at_token_columns(p_support, support, q_support, tokens, batch.vocab_size)
+    weights = acceptance_weights(p_token / p_draft[rows], lens)  # [n_d] w_i
+    before = weights_before(weights, lens)  # [n_d] w_{i-1}
+    masses = residual_masses(before, p_support, q_support)  # [n_d] m_{i-1}
+    num_accepted = accepted_lengths(weights, masses, lens,
+                                    draws.accept_uniform.to(device)[rows])  # [m]
+
+    # The next token: the bonus row when every draft is kept, else the residual at tau.
+    starts = batch.draft_start()[sampled]  # [m] first draft row of each
+    next_rows = starts + num_accepted + request_ids[sampled]  # [m] target row P_{tau + 1}
+    dist = probs_from_logits(batch.target_logits[next_rows], request_sampling.select(sampled))
+    cut = num_accepted < lens  # [m]
+    if bool(cut.any()):
+        cut_rows = (starts + num_accepted)[cut]  # draft row Q_{tau + 1}, in the batch's rows
+        local = torch.searchsorted(rows, cut_rows)  # the same rows among the n_d
+        dist[cut] = block_residual(before[local], dist[cut],
+                                   dense_draft_rows(batch.draft_probs, cut_rows,
+                                                    batch.vocab_size))
+    next_tokens = sample_from_probs(dist, draws.sample_uniform.to(device)[sampled])
+    return BlockOutcome(num_accepted, next_tokens)
+
+
+def verify_reference(batch: VerifyBatch, draws: RandomDraws,
+                     rule: VerificationRule = VerificationRule.TOKEN) -> VerifyResult:
+    """Slow, obviously-correct per-request loop: DESIGN.md section 5 read literally (a sampled
+    request under the block rule: `block_verify_reference` on that request alone)."""
     vocab_size = batch.vocab_size
     num_accepted, next_tokens = [], []
     draft_row = 0
@@ -239,6 +348,16 @@ def verify_reference(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
         target_row = draft_row + r
         rows = SamplingTensors.from_params([params] * (n + 1))
         p_t = probs_from_logits(batch.target_logits[target_row:target_row + n + 1], rows)  # [n+1, V]
+        if rule is VerificationRule.BLOCK and not params.is_greedy:
+            outcome = block_verify_reference(
+                p_t, dense_draft_rows(batch.draft_probs, torch.arange(draft_row, draft_row + n),
+                                      vocab_size),
+                batch.draft_tokens[draft_row:draft_row + n], torch.tensor([n]),
+                draws.accept_uniform[draft_row:draft_row + n], draws.sample_uniform[r:r + 1])
+            num_accepted.append(int(outcome.num_accepted[0]))
+            next_tokens.append(int(outcome.next_tokens[0]))
+            draft_row += n
+            continue
         accepted = 0
         next_dist = p_t[n]  # bonus, unless a rejection happens first
         for k in range(n):

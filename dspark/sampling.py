@@ -94,6 +94,16 @@ class SamplingTensors:
             top_p = top_p.repeat_interleave(repeats)
         return SamplingTensors(temperature.to(device), top_k.to(device), top_p.to(device))
 
+    def select(self, rows: torch.Tensor) -> "SamplingTensors":
+        """The rows a bool mask or an index tensor picks."""
+        return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+
+    def repeat(self, counts: torch.Tensor) -> "SamplingTensors":
+        """Row r `counts[r]` times in a row: counts [num_rows] -> [counts.sum()] rows."""
+        return SamplingTensors(self.temperature.repeat_interleave(counts),
+                               self.top_k.repeat_interleave(counts),
+                               self.top_p.repeat_interleave(counts))
+
 
 def probs_from_logits(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """The distribution each row's sampling parameters define.
@@ -214,6 +224,49 @@ def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling
                               sampling.top_p[filtered])
         probs = probs_from_logits(logits[rows[filtered]], sub)
         out[filtered] = probs.gather(1, tokens[filtered].unsqueeze(1)).squeeze(1)
+    return out
+
+
+def probs_at_columns(logits: torch.Tensor, columns: torch.Tensor, sampling: SamplingTensors,
+                     rows: torch.Tensor) -> torch.Tensor:
+    """p(columns[i, j]) under the sampling distribution of logit row rows[i]: logits
+    [num_logit_rows, V], columns [n, k] int64, sampling [n], rows [n] -> [n, k] float32.
+
+    Equal to probs_from_logits(logits[rows], sampling).gather(1, columns) up to float rounding.
+    Plain rows read k logits and one log-sum-exp per row (no distribution over V is written
+    out); greedy rows are 1 at the argmax; top-k / top-p rows go through probs_from_logits.
+    """
+    n, k = columns.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    greedy = sampling.temperature == 0.0
+    filtered = ~greedy & (((sampling.top_k > 0) & (sampling.top_k < logits.shape[1]))
+                          | (sampling.top_p < 1.0))
+    plain = ~greedy & ~filtered
+    if bool(greedy.any()):
+        argmax = argmax_first(logits[rows[greedy]], dim=1)  # [g]
+        out[greedy] = (columns[greedy] == argmax.unsqueeze(1)).float()
+    if bool(plain.any()):
+        temps = sampling.temperature[plain].unsqueeze(1)  # [p, 1]
+        plain_rows = rows[plain]
+        if bool((temps == 1.0).all()) and plain_rows.shape[0] * 2 >= logits.shape[0]:
+            # T = 1 over most of the matrix: the log-normalisers of every row in one pass and
+            # the k columns read in place, no copy of vocabulary-sized rows.
+            lse = torch.logsumexp(logits.float(), dim=1)[plain_rows].unsqueeze(1)  # [p, 1]
+            if columns.stride(0) == 0:  # the same columns in every row: one column gather
+                picked = logits.index_select(1, columns[0])[plain_rows].float()  # [p, k]
+            else:
+                flat = plain_rows.unsqueeze(1) * logits.shape[1] + columns[plain]  # [p, k]
+                picked = logits.reshape(-1).index_select(0, flat.reshape(-1)).view(
+                    flat.shape).float()
+        else:
+            scaled = logits[plain_rows].float() / temps  # [p, V]
+            lse = torch.logsumexp(scaled, dim=1, keepdim=True)  # [p, 1]
+            picked = scaled.gather(1, columns[plain])
+        out[plain] = torch.exp(picked - lse)
+    if bool(filtered.any()):
+        sub = SamplingTensors(sampling.temperature[filtered], sampling.top_k[filtered],
+                              sampling.top_p[filtered])
+        out[filtered] = probs_from_logits(logits[rows[filtered]], sub).gather(1, columns[filtered])
     return out
 
 

@@ -18,6 +18,7 @@ from scipy.stats import chisquare
 from dspark.rejection import (
     RandomDraws,
     SparseDraftProbs,
+    VerificationRule,
     VerifyBatch,
     VerifyResult,
     draw_uniforms,
@@ -122,12 +123,13 @@ def random_batch(seed: int, num_requests: int, vocab: int, sparse_k: int | None)
     return VerifyBatch(tokens, draft_lens, draft_probs, target_logits, sampling)
 
 
+@pytest.mark.parametrize("rule", list(VerificationRule))
 @pytest.mark.parametrize("sparse_k", [None, 6])
-def test_batched_equals_reference_on_the_same_draws(sparse_k):
+def test_batched_equals_reference_on_the_same_draws(sparse_k, rule):
     for seed in range(20):
         batch = random_batch(seed, num_requests=9, vocab=17, sparse_k=sparse_k)
         draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(100 + seed))
-        fast, slow = verify(batch, draws), verify_reference(batch, draws)
+        fast, slow = verify(batch, draws, rule), verify_reference(batch, draws, rule)
         assert fast.num_accepted.tolist() == slow.num_accepted.tolist()
         assert fast.next_tokens.tolist() == slow.next_tokens.tolist()
 
@@ -176,7 +178,8 @@ def exact_joint(models: ToyModels, target: SamplingParams) -> torch.Tensor:
 
 def simulate(models: ToyModels, target: SamplingParams, *, draft_sample_temperature: float = 1.0,
              reported_draft_temperature: float | None = None, sparse_top_k: int | None = None,
-             verifier=verify, seed: int = 0, num_trials: int = NUM_TRIALS) -> torch.Tensor:
+             verifier=verify, seed: int = 0, num_trials: int = NUM_TRIALS,
+             gamma: int = GAMMA) -> torch.Tensor:
     """Run speculative generation until every trial has >= 3 tokens; return the first 3 as codes.
 
     The drafter samples each block token from its own model at `draft_sample_temperature`
@@ -186,7 +189,7 @@ def simulate(models: ToyModels, target: SamplingParams, *, draft_sample_temperat
     g = torch.Generator().manual_seed(seed)
     n = num_trials
     trial = torch.arange(n)
-    seq = torch.full((n, 2 + 3 * (GAMMA + 1)), BOS, dtype=torch.int64)  # BOS BOS y1 y2 ...
+    seq = torch.full((n, 2 + 3 * (gamma + 1)), BOS, dtype=torch.int64)  # BOS BOS y1 y2 ...
     produced = torch.zeros(n, dtype=torch.int64)
     draft_params = SamplingParams(temperature=draft_sample_temperature, top_k=sparse_top_k or 0)
     q_table = table_probs(models.draft_logits, draft_params)  # [V+1, V+1, V]
@@ -196,19 +199,19 @@ def simulate(models: ToyModels, target: SamplingParams, *, draft_sample_temperat
         prev2, prev1 = seq[trial, produced], seq[trial, produced + 1]  # last two (BOS-padded)
         ctx = [(prev2, prev1)]
         drafts, draft_probs = [], []
-        for _ in range(GAMMA):
+        for _ in range(gamma):
             q = q_table[ctx[-1][0], ctx[-1][1]]  # [n, V]
             x = sample_from_probs(q, torch.rand(n, generator=g))
             drafts.append(x)
             draft_probs.append(reported[ctx[-1][0], ctx[-1][1]])
             ctx.append((ctx[-1][1], x))
-        drafts_t = torch.stack(drafts, 1)  # [n, GAMMA]
-        draft_probs_t = torch.stack(draft_probs, 1)  # [n, GAMMA, V]
-        target_rows = torch.stack([models.target_logits[a, b] for a, b in ctx], 1)  # [n, GAMMA+1, V]
-        lens = torch.randint(0, GAMMA + 1, (n,), generator=g)  # chosen independently of the tokens
-        pos = torch.arange(GAMMA + 1)
-        draft_mask = pos[:GAMMA].unsqueeze(0) < lens.unsqueeze(1)  # [n, GAMMA]
-        target_mask = pos.unsqueeze(0) <= lens.unsqueeze(1)  # [n, GAMMA+1]
+        drafts_t = torch.stack(drafts, 1)  # [n, gamma]
+        draft_probs_t = torch.stack(draft_probs, 1)  # [n, gamma, V]
+        target_rows = torch.stack([models.target_logits[a, b] for a, b in ctx], 1)  # [n, gamma+1, V]
+        lens = torch.randint(0, gamma + 1, (n,), generator=g)  # chosen independently of the tokens
+        pos = torch.arange(gamma + 1)
+        draft_mask = pos[:gamma].unsqueeze(0) < lens.unsqueeze(1)  # [n, gamma]
+        target_mask = pos.unsqueeze(0) <= lens.unsqueeze(1)  # [n, gamma+1]
         if sparse_top_k is None:
             probs_arg = draft_probs_t[draft_mask]
         else:
@@ -218,7 +221,7 @@ def simulate(models: ToyModels, target: SamplingParams, *, draft_sample_temperat
                             [target] * n)
         result = verifier(batch, draw_uniforms(lens, g))
         accepted = result.num_accepted
-        for j in range(GAMMA):
+        for j in range(gamma):
             m = j < accepted
             seq[trial[m], 2 + produced[m] + j] = drafts_t[m, j]
         seq[trial, 2 + produced + accepted] = result.next_tokens
@@ -295,3 +298,169 @@ def test_sparse_and_dense_give_identical_outputs_on_the_same_draws():
         a, b = verify(sparse_batch, draws), verify(dense_batch, draws)
         assert a.num_accepted.tolist() == b.num_accepted.tolist()
         assert a.next_tokens.tolist() == b.next_tokens.tolist()
+
+
+# ---------------------------------------------------------------- the block rule
+
+
+def verify_blocks(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
+    return verify(batch, draws, VerificationRule.BLOCK)
+
+
+def block_rule_without_the_weight(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
+    """WRONG on purpose: the block rule's prefix, but the next token from the token rule's
+    residual normalise(max(P - Q, 0)) instead of normalise(max(w_tau P - Q, 0))."""
+    right = verify_blocks(batch, draws)
+    starts = batch.draft_start()
+    rows = starts + right.num_accepted + torch.arange(batch.num_requests)
+    p_t = probs_from_logits(batch.target_logits[rows], SamplingTensors.from_params(batch.sampling))
+    cut = right.num_accepted < batch.draft_lens
+    q = torch.zeros_like(p_t)
+    q[cut] = batch.draft_probs[(starts + right.num_accepted)[cut]]
+    residual = torch.where(cut.unsqueeze(1), (p_t - q).clamp_min(0.0), p_t)
+    return VerifyResult(right.num_accepted, sample_from_probs(residual, draws.sample_uniform))
+
+
+@pytest.mark.parametrize("gamma", [GAMMA, 3])
+def test_block_rule_output_distribution_is_exactly_the_targets(gamma):
+    codes = simulate(MODELS, PLAIN, verifier=verify_blocks, seed=11, gamma=gamma)
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) > P_VALUE_OK
+
+
+def test_block_rule_keeps_transformed_targets_and_sparse_drafts_exact():
+    target = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    codes = simulate(MODELS, target, draft_sample_temperature=0.8, sparse_top_k=3,
+                     verifier=verify_blocks, seed=12)
+    assert chi_square_p_value(codes, exact_joint(MODELS, target)) > P_VALUE_OK
+
+
+def test_the_test_has_power_block_rule_without_the_weight_fails():
+    codes = simulate(MODELS, PLAIN, verifier=block_rule_without_the_weight, seed=13)
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) < P_VALUE_BIASED
+
+
+def test_block_rule_accepts_more_drafts_than_the_token_rule_on_the_same_blocks():
+    # Many draws of the same toy blocks: the block rule's mean accepted length is the higher one.
+    g = torch.Generator().manual_seed(14)
+    q = torch.softmax(torch.randn(3, V, generator=g) * 1.5, dim=1)  # [gamma, V] per position
+    reps = 20_000
+    tokens = torch.stack([sample_from_probs(q[k].expand(reps, V), torch.rand(reps, generator=g))
+                          for k in range(3)], 1).reshape(-1)  # [reps * 3]
+    logits = torch.randn(3 + 1, V, generator=g) * 1.5
+    batch = VerifyBatch(tokens, torch.full((reps,), 3), q.repeat(reps, 1), logits.repeat(reps, 1),
+                        [PLAIN] * reps)
+    draws = draw_uniforms(batch.draft_lens, g)
+    token_rule = verify(batch, draws).num_accepted.float().mean()
+    block_rule = verify_blocks(batch, draws).num_accepted.float().mean()
+    assert float(block_rule) > float(token_rule) + 0.01
+
+
+def test_greedy_requests_are_unchanged_by_the_block_rule():
+    for seed in range(5):
+        batch = random_batch(seed, num_requests=9, vocab=17, sparse_k=None)
+        draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(seed))
+        token_rule, block_rule = verify(batch, draws), verify_blocks(batch, draws)
+        for r, params in enumerate(batch.sampling):
+            if params.is_greedy:
+                assert int(token_rule.num_accepted[r]) == int(block_rule.num_accepted[r])
+                assert int(token_rule.next_tokens[r]) == int(block_rule.next_tokens[r])
+
+
+def test_block_rule_is_exact_by_enumeration_and_gains_in_expectation():
+    # Every draft of gamma 3 over 3 tokens, target and drafter depending on the whole prefix:
+    # P(output) from stop_probabilities and the residuals, extended by the target to 4 tokens,
+    # equals the target's joint exactly; and the block rule keeps more drafts on average.
+    import itertools
+
+    from dspark.block_verification import stop_probabilities
+
+    vocab, gamma = 3, 3
+    g = torch.Generator().manual_seed(15)
+    prefixes = [p for n in range(gamma + 2) for p in itertools.product(range(vocab), repeat=n)]
+    P = {p: torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 2, 0)
+         for p in prefixes}
+    Q = {p: torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 2, 0)
+         for p in prefixes}
+
+    def extend(seq):  # the target's probability of continuing seq to gamma + 1 tokens
+        out = {}
+        for tail in itertools.product(range(vocab), repeat=gamma + 1 - len(seq)):
+            full = seq + tail
+            prob = 1.0
+            for j in range(len(seq), gamma + 1):
+                prob *= float(P[full[:j]][full[j]])
+            out[full] = prob
+        return out
+
+    got = dict.fromkeys(itertools.product(range(vocab), repeat=gamma + 1), 0.0)
+    block_mean = token_mean = 0.0
+    for x in itertools.product(range(vocab), repeat=gamma):
+        q_x = float(torch.tensor([Q[x[:i]][x[i]] for i in range(gamma)]).prod())
+        target_rows = torch.stack([P[x[:i]] for i in range(gamma + 1)])  # [gamma + 1, V]
+        draft_rows = torch.stack([Q[x[:i]] for i in range(gamma)])  # [gamma, V]
+        h = stop_probabilities(target_rows, draft_rows, torch.tensor(x))
+        ratio = (target_rows[:gamma].gather(1, torch.tensor(x).unsqueeze(1)).squeeze(1)
+                 / draft_rows.gather(1, torch.tensor(x).unsqueeze(1)).squeeze(1))
+        token_mean += q_x * float(torch.cumprod(ratio.clamp(max=1.0), 0).sum())
+        w = [1.0]  # w_i = min(1, w_{i-1} ratio_i)
+        for i in range(gamma):
+            w.append(min(1.0, w[-1] * float(ratio[i])))
+        remaining = 1.0
+        for tau in range(gamma, -1, -1):
+            p_tau = remaining * (float(h[tau - 1]) if tau > 0 else 1.0)
+            remaining *= 1.0 - (float(h[tau - 1]) if tau > 0 else 0.0)
+            block_mean += q_x * p_tau * tau
+            if p_tau == 0.0:  # e.g. an empty residual: never stopped at
+                continue
+            if tau == gamma:
+                nxt = target_rows[gamma]
+            else:
+                residual = (w[tau] * target_rows[tau] - draft_rows[tau]).clamp_min(0.0)
+                nxt = residual / residual.sum()
+            for y in range(vocab):
+                for seq, prob in extend(x[:tau] + (y,)).items():
+                    got[seq] += q_x * p_tau * float(nxt[y]) * prob
+    want = extend(())
+    assert max(abs(got[s] - want[s]) for s in want) < 1e-12
+    assert block_mean > token_mean + 0.01
+
+
+def test_block_rule_reads_padded_supports_as_the_unpadded_ones():
+    # The verifier pads sparse supports of different widths with (token 0, probability 0)
+    # columns: repeated ids, which the residual masses must not count twice.
+    for seed in range(5):
+        batch = random_batch(seed, num_requests=9, vocab=17, sparse_k=6)
+        sp = batch.draft_probs
+        pad = torch.zeros(sp.indices.shape[0], 4, dtype=torch.int64)
+        padded = VerifyBatch(batch.draft_tokens, batch.draft_lens,
+                             SparseDraftProbs(torch.cat([sp.indices, pad], 1),
+                                              torch.cat([sp.probs, pad.float()], 1)),
+                             batch.target_logits, batch.sampling)
+        draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(seed))
+        a, b = verify_blocks(batch, draws), verify_blocks(padded, draws)
+        assert a.num_accepted.tolist() == b.num_accepted.tolist()
+        assert a.next_tokens.tolist() == b.next_tokens.tolist()
+
+
+@pytest.mark.parametrize("rule", list(VerificationRule))
+def test_one_support_row_for_every_draft_reads_as_the_materialised_rows(rule):
+    # The verifier passes the drafter's reduced vocabulary as one row expanded (stride 0).
+    vocab, k = 40, 12
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        batch = random_batch(seed, num_requests=9, vocab=vocab, sparse_k=None)
+        support = torch.randperm(vocab, generator=g)[:k]
+        n = batch.draft_tokens.shape[0]
+        probs = torch.softmax(torch.randn(n, k, generator=g) * 2, 1)
+        tokens = support[sample_from_probs(probs, torch.rand(n, generator=g))]
+        shared = SparseDraftProbs(support.expand(n, -1), probs)
+        assert shared.shared_support is not None
+        materialised = SparseDraftProbs(support.expand(n, -1).contiguous(), probs)
+        draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(seed))
+        a, b = (verify(VerifyBatch(tokens, batch.draft_lens, p, batch.target_logits,
+                                   batch.sampling), draws, rule) for p in (shared, materialised))
+        assert a.num_accepted.tolist() == b.num_accepted.tolist()
+        assert a.next_tokens.tolist() == b.next_tokens.tolist()
+        ref = verify_reference(VerifyBatch(tokens, batch.draft_lens, materialised,
+                                           batch.target_logits, batch.sampling), draws, rule)
+        assert a.next_tokens.tolist() == ref.next_tokens.tolist()

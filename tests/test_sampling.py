@@ -8,6 +8,7 @@ from dspark.sampling import (
     SamplingParams,
     SamplingTensors,
     argmax_first,
+    probs_at_columns,
     probs_from_logits,
     sample_from_probs,
     token_probs_from_logits,
@@ -185,3 +186,21 @@ def test_temperature_at_the_epsilon_still_samples():
     logits = torch.tensor([[0.0, 0.0, -1.0]])  # a tie: both tied tokens keep half the mass
     probs = probs_from_logits(logits, SamplingTensors.from_params([params]))
     torch.testing.assert_close(probs, torch.tensor([[0.5, 0.5, 0.0]]))
+
+
+@pytest.mark.parametrize("rows_taken", ["most", "few"])  # T = 1 reads the whole matrix or not
+def test_probs_at_columns_are_the_gathered_distributions(rows_taken):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(10, 50, generator=g) * 3
+    rows = (torch.tensor([0, 2, 3, 4, 5, 6, 7, 9]) if rows_taken == "most"
+            else torch.tensor([1, 8]))
+    columns = torch.randint(0, 50, (rows.shape[0], 6), generator=g)
+    menu = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+            SamplingParams(temperature=1.3, top_p=0.8)]
+    for params in ([menu[0]] * rows.shape[0],
+                   [menu[i % len(menu)] for i in range(rows.shape[0])]):
+        sampling = SamplingTensors.from_params(params)
+        want = probs_from_logits(logits[rows], sampling).gather(1, columns)
+        got = probs_at_columns(logits, columns, sampling, rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

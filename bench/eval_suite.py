@@ -13,6 +13,7 @@ The last stdout line is one JSON object. Usage:
 
     .venv/bin/python bench/eval_suite.py --checkpoints checkpoints --limit 10 --max-tokens 128 \
         --temperature 1.0 --threads 2 [--methods dspark,dflash,eagle,mtp1] [--plots docs/results/drafters_eval_plots]
+        [--verification token|block]
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def run_eval(dataset: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "dspark.cli", "eval", "--dataset", str(dataset), "--json",
            "--methods", args.methods, "--checkpoints", str(args.checkpoints),
            "--temperature", str(args.temperature), "--max-tokens", str(args.max_tokens),
-           "--limit", str(args.limit), "--threads", str(args.threads), "--seed", str(args.seed)]
+           "--limit", str(args.limit), "--threads", str(args.threads), "--seed", str(args.seed),
+           "--verification", args.verification]
     if args.model_dir is not None:
         cmd += ["--model-dir", str(args.model_dir)]
     if args.plots is not None:
@@ -68,6 +70,8 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verification", default="token", choices=["token", "block"],
+                        help="how sampled drafts are accepted (dspark eval --verification)")
     parser.add_argument("--plots", type=Path, default=None)
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="the target's folder (default: dspark fetch-model's)")

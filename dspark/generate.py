@@ -46,6 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-table", type=Path, default=None,
                         help="SPS(B) table JSON (default: measured at start-up, cached in DSPARK_HOME)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--verification", default="token", choices=["token", "block"],
+                        help="how sampled drafts are accepted: token by token, or the whole block "
+                             "at once (both exact; greedy is the same under both)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.drafter is None and drafter_dir is None and policy.drafts:
         log(f"no drafter checkpoint (looked for {DEFAULT_DRAFTER}): decoding with the target only")
     cost_table = args.cost_table or (dspark_home() / f"cost_table_{Path(model_dir).name}_{args.dtype}.json")
-    engine, tokenizer = build_engine(Path(model_dir), drafter_dir, args.policy, args.dtype, cost_table)
+    engine, tokenizer = build_engine(Path(model_dir), drafter_dir, args.policy, args.dtype,
+                                     cost_table, verification=args.verification)
 
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],

@@ -30,6 +30,7 @@ from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import AnyDrafter, load_drafter
 from dspark.models.packed_linear import packing_available
 from dspark.models.runner import RunnerConfig, TargetRunner
+from dspark.rejection import VerificationRule
 from dspark.step_timing import startup_cost_table
 from dspark.verifier import TargetVerifier
 
@@ -130,7 +131,8 @@ def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
 
 def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
                  cost_table_path: Path | None, max_running: int = 16,
-                 sparse_top_k: int | None = None, device: str = "cpu"):
+                 sparse_top_k: int | None = None, device: str = "cpu",
+                 verification: str = "token"):
     """The embedded engine over the target in `model_dir` and the drafter in `drafter_dir` (none
     when it is None or the policy is `none`); returns (engine, tokenizer). The cost table SPS(B)
     is read from `cost_table_path` when that file exists, else measured now (and saved there
@@ -152,6 +154,6 @@ def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: 
         if cost_table_path is not None:
             Path(cost_table_path).parent.mkdir(parents=True, exist_ok=True)
             table.save(cost_table_path)
-    engine = Engine(TargetVerifier(runner), drafter, table,
+    engine = Engine(TargetVerifier(runner, VerificationRule(verification)), drafter, table,
                     EngineConfig(policy=parsed, max_running=max_running, sparse_top_k=sparse_top_k))
     return engine, tokenizer

@@ -4,7 +4,8 @@ It owns the target runner (and so every request's KV cache) and offers the engin
 - `prefill`: run prompts, sample each request's first token from the target, and return the
   prompt tokens' hidden features (the drafter's first context);
 - `verify`: one flattened target forward over every request's [anchor, admitted drafts],
-  rejection sampling (dspark.rejection), KV cache truncated to the committed tokens, and the
+  rejection sampling (dspark.rejection: token by token, or sampled requests block by block when
+  the verifier is built with the block rule), KV cache truncated to the committed tokens, and the
   committed tokens' features for the drafter, with the step's statistics. It may also carry
   *prefill chunks* (`PrefillChunk`): pieces of joining requests' prompts read in the same
   forward (chunked prefill), the last piece of a prompt sampling its first token as `prefill`
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -30,7 +31,8 @@ from dspark.feature_stash import FeaturePiece, FeatureStash
 from dspark.logprobs import TokenLogprobs, grouped_token_logprobs
 from dspark.models.draft_types import DraftBlock
 from dspark.models.runner import ForwardItem, TargetRunner
-from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify
+from dspark.rejection import (SparseDraftProbs, VerificationRule, VerifyBatch, draw_uniforms,
+                              verify)
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
 
 
@@ -121,8 +123,13 @@ class VerifyOutput:
 class TargetVerifier:
     """Target runner + rejection sampler, with no scheduling logic of its own."""
 
-    def __init__(self, runner: TargetRunner) -> None:
+    def __init__(self, runner: TargetRunner,
+                 rule: VerificationRule = VerificationRule.TOKEN) -> None:
         self.runner = runner
+        self.rule = VerificationRule(rule)
+        """How sampled requests' drafts are accepted; greedy ones follow the token rule always."""
+        self.batch_observer: Callable[[VerifyBatch], None] | None = None
+        """Called with every verification's batch before its verdict (benchmarks)."""
         self.stash = FeatureStash()
         """Features of items marked hold_features, until `take_features`."""
 
@@ -203,7 +210,11 @@ class TargetVerifier:
             draft_lens = torch.tensor(lens, dtype=torch.int64)
             if indices and len(indices) != len(tokens):
                 raise ValueError("a batch mixes sparse and dense draft distributions")
-            if indices:
+            if indices and (shared := _shared_support(indices)) is not None:
+                # Every block over the drafter's reduced vocabulary: one row of ids for all.
+                draft_probs = SparseDraftProbs(shared.expand(int(draft_lens.sum()), -1),
+                                               torch.cat(probs))
+            elif indices:
                 # Supports of different widths (greedy k = 1 beside a top_k request's k) are
                 # padded to the widest with probability 0, which adds nothing to any row.
                 width = max(i.shape[1] for i in indices)
@@ -216,7 +227,10 @@ class TargetVerifier:
                 draft_tokens=torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
                 draft_lens=draft_lens, draft_probs=draft_probs,
                 target_logits=out.logits[:verify_rows], sampling=[r.sampling for r in requests])
-            result = verify(batch, draw_uniforms(draft_lens, [r.generator for r in requests]))
+            if self.batch_observer is not None:
+                self.batch_observer(batch)
+            result = verify(batch, draw_uniforms(draft_lens, [r.generator for r in requests]),
+                            self.rule)
             num_accepted = result.num_accepted.tolist()
             output_tokens = result.output_tokens(batch)
             logprobs = _output_logprobs(requests, lens, output_tokens, batch.target_logits)
@@ -308,6 +322,18 @@ def _output_logprobs(requests: Sequence[VerifyRequest], draft_lens: Sequence[int
         target_logits[rows.to(target_logits.device)], tokens,
         [(len(output_tokens[i]), requests[i].logprobs) for i in asked]))
     return [None if r.logprobs is None else next(computed) for r in requests]
+
+
+def _shared_support(indices: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one support row [k] when every block's ids [n, k] are views of it repeated (the
+    drafter's reduced vocabulary, DraftBlock's dense rows over it), else None."""
+    first = indices[0]
+    if first.dim() != 2 or first.stride(0) != 0:
+        return None
+    if any(i.stride(0) != 0 or i.shape[1] != first.shape[1] or i.data_ptr() != first.data_ptr()
+           for i in indices[1:]):
+        return None
+    return first[0]
 
 
 def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:

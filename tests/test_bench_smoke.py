@@ -142,6 +142,10 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
         "draft_vocab_coverage.py": ["--checkpoint", str(p["reduced_drafter"]), "--answers",
                                     str(p["data"]), "--sizes", "40", "--widened-out",
                                     str(p["out"] / "widened")],
+        "block_verification.py": ["--model-dir", t, "--checkpoint", str(p["drafter"]),
+                                  "--eval-dir", str(p["eval"]), "--sets", "gsm8k,mt-bench",
+                                  "--limit", "2", "--max-tokens", "8", "--dtype", "float32",
+                                  "--timed-batches", "2", *one],
         "drafter_attention_probe.py": ["--model-dir", t, "--checkpoint", str(p["probe_drafter"]),
                                        "--data", str(p["data"]), "--qk-scales", "1", *one],
     }[script]

@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.engine import Engine, EngineConfig
 from dspark.models.runner import RunnerConfig, TargetRunner
+from dspark.rejection import VerificationRule
 from dspark.sampling import SamplingParams
 from loadtest.tiny_models import GAMMA, LAYER_IDS, VOCAB
 from dspark.verifier import PrefillChunk, TargetVerifier
@@ -23,14 +24,15 @@ from .conftest import tiny_dspark
 
 def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int = 8,
                 sparse_top_k: int | None = None, seed: int = 0, table: CostTable | None = None,
-                probe_interval: int = 8, kv_cache_tokens: int = 8192, **config) -> Engine:
+                probe_interval: int = 8, kv_cache_tokens: int = 8192,
+                rule: VerificationRule = VerificationRule.TOKEN, **config) -> Engine:
     runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS,
                                                kv_cache_tokens=kv_cache_tokens))
     drafter = tiny_dspark(seed, runner) if with_drafter else None
     # A smooth cost table: verifying more tokens costs a little more.
     if table is None:
         table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
-    return Engine(TargetVerifier(runner), drafter, table,
+    return Engine(TargetVerifier(runner, rule), drafter, table,
                   EngineConfig(policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
                                probe_interval=probe_interval, **{"update_cost_table": False, **config}))
 
@@ -470,14 +472,17 @@ def exact_first_tokens(model, prompt: list[int], n: int, temperature: float) -> 
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("policy", ["async_topk", "sync_greedy", f"fixed:{GAMMA}"])
-def test_sampled_joint_distribution_is_the_targets(tiny_target, policy):
+@pytest.mark.parametrize("policy, rule", [
+    ("async_topk", VerificationRule.TOKEN), ("sync_greedy", VerificationRule.TOKEN),
+    (f"fixed:{GAMMA}", VerificationRule.TOKEN), (f"fixed:{GAMMA}", VerificationRule.BLOCK),
+    ("async_topk", VerificationRule.BLOCK)])
+def test_sampled_joint_distribution_is_the_targets(tiny_target, policy, rule):
     folder, model = tiny_target
     prompt = [3, 9, 27]
     temperature = 1.0
     expected = exact_first_tokens(model, prompt, 2, temperature).reshape(-1)
     num = 3000
-    engine = make_engine(folder, policy, max_running=64, sparse_top_k=8)
+    engine = make_engine(folder, policy, max_running=64, sparse_top_k=8, rule=rule)
     outputs = {}
     for i in range(num):
         engine.add_request(prompt, SamplingParams(temperature=temperature), max_tokens=2,

@@ -259,6 +259,7 @@ def _collect(args: argparse.Namespace, temperatures: list[float]):
     from dspark.evaluation.eval_cli import stop_token_ids
     from dspark.loading import has_confidence_head, load_method_drafter, load_target, resolve_device
     from dspark.models.drafter_config import DrafterConfig
+    from dspark.rejection import VerificationRule
     from dspark.verifier import TargetVerifier
 
     if args.threads:
@@ -297,7 +298,9 @@ def _collect(args: argparse.Namespace, temperatures: list[float]):
                             max_tokens=args.max_tokens, max_running=args.max_running,
                             seed=args.seed, stop_token_ids=stops)
         start = time.perf_counter()
-        out = collect_records(TargetVerifier(runner), drafter, prompts, cfg,
+        # The token rule: the confidence head and STS model c*_k, its acceptance probability.
+        out = collect_records(TargetVerifier(runner, VerificationRule.TOKEN), drafter, prompts,
+                              cfg,
                               progress=lambda done, total: _log(f"T={temperature:g}: {done}/{total} "
                                                                 f"prompts")
                               if done == total or done % 10 == 0 else None)

@@ -79,6 +79,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", type=Path, default=None,
                         help="write acceptance.png and reliability_<method>.png here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verification", default="token", choices=["token", "block"],
+                        help="how sampled drafts are accepted: token (the paper's protocol, which "
+                             "the confidences are calibrated to) or block "
+                             "(dspark.block_verification)")
     parser.add_argument("--max-running", type=int, default=8, help="prompts generated together")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -172,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark.loading import (has_confidence_head, load_calibration, load_method_drafter,
                                 load_target, resolve_device)
     from dspark.models.drafter_config import DrafterConfig
+    from dspark.rejection import VerificationRule
     from dspark.training.data import encode_chat
     from dspark.verifier import TargetVerifier
 
@@ -233,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, max_running=args.max_running,
                             seed=args.seed, stop_token_ids=stops)
         start = time.perf_counter()
-        out = collect_records(TargetVerifier(runner), drafter, prompts, cfg,
+        out = collect_records(TargetVerifier(runner, VerificationRule(args.verification)),
+                              drafter, prompts, cfg,
                               has_confidences=with_head)
         seconds = time.perf_counter() - start
         calibration = load_calibration(folder, args.temperature) if with_head else None

@@ -365,6 +365,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     from dspark.stop_tokens import stop_token_ids
     from dspark.models.drafter_config import DrafterConfig
     from dspark.models.runner import RunnerConfig, TargetRunner
+    from dspark.rejection import VerificationRule
     from dspark.training.data import encode_chat
     from dspark.verifier import TargetVerifier
 
@@ -453,7 +454,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
             runner = base
             notes[name] = "policy none"
         for c in concurrencies:
-            verifier = TimedVerifier(TargetVerifier(runner))
+            verifier = TimedVerifier(TargetVerifier(runner, VerificationRule(args.verification)))
             timed_drafter = TimedDrafter(drafter) if drafter is not None else None
             engine = Engine(verifier, timed_drafter, CostTable.from_dict(table.to_dict()),
                             EngineConfig(policy=policy, max_running=c,
@@ -634,6 +635,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="of the target and the transformers peers (the drafter: dspark.loading.drafter_dtype)")
     parser.add_argument("--sparse-top-k", type=int, default=None,
                         help="engine: ship draft distributions as top-k (default dense)")
+    parser.add_argument("--verification", default="token", choices=["token", "block"],
+                        help="engine: how sampled drafts are accepted (dspark.rejection)")
     parser.add_argument("--cost-table", type=Path, default=None,
                         help="SPS(B) table JSON (default: measured at start-up)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10,

@@ -120,6 +120,9 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
     grace_seconds: float = _field(5.0, "on SIGTERM, seconds to finish in-flight calls")
     idle_expiry_seconds: float = _field(600.0, "free a request's KV cache after this long without "
                                                "a call (a scheduler that died); 0 = never")
+    verification: str = _field("token", "token | block: how sampled requests' drafts are "
+                                         "accepted, token by token or the whole block at once "
+                                         "(both exact; greedy is the same under both)")
 
     def __post_init__(self) -> None:
         _check_port(self.port, "port")
@@ -128,6 +131,9 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
         if self.kv_cache_tokens < 1 or self.max_context_tokens < 2 or self.threads < 1:
             raise ValueError("kv_cache_tokens, threads must be >= 1, max_context_tokens >= 2")
         parse_hidden_layer_ids(self.hidden_layer_ids)
+        from dspark.rejection import VerificationRule
+
+        VerificationRule(self.verification)  # ValueError names the bad value
         self._check_tracing()
 
 

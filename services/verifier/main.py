@@ -37,6 +37,7 @@ def build_servicer(config: VerifierServiceConfig, tracer):
     from dspark.loading import load_target, resolve_device
     from dspark.fetch import ensure_model
     from dspark.step_timing import startup_cost_table
+    from dspark.rejection import VerificationRule
     from dspark.verifier import TargetVerifier
     from services.verifier.servicer import VerifierLimits, VerifierServicer
 
@@ -48,7 +49,8 @@ def build_servicer(config: VerifierServiceConfig, tracer):
         table = CostTable.load(config.cost_table)
     else:
         table = startup_cost_table(runner)
-    return VerifierServicer(TargetVerifier(runner), table,
+    verifier = TargetVerifier(runner, VerificationRule(config.verification))
+    return VerifierServicer(verifier, table,
                             VerifierLimits(config.max_context_tokens, config.idle_expiry_seconds), model_dir.name, tracer)
 
 

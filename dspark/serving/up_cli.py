@@ -37,6 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", default="dspark", help="the model name clients send")
     parser.add_argument("--policy", default="async_topk")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--verification", default="token", choices=["token", "block"],
+                        help="how the verifier accepts sampled requests' drafts: token by token "
+                             "or the whole block at once (both exact)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--verifier-threads", type=int, default=0,
                         help="torch threads of the verifier (0: all the cores, or those the "
@@ -73,7 +76,7 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
     common = ["--dtype", args.dtype, "--device", args.device]
     model = ["--model-dir", args.model_dir] if args.model_dir else []
     verifier = ["services.verifier", "--port", str(args.verifier_port), *model, *common,
-                "--threads", str(threads.verifier),
+                "--threads", str(threads.verifier), "--verification", args.verification,
                 "--hidden-layer-ids", "" if use_drafter else "none"]
     if use_drafter:
         verifier += ["--drafter-dir", str(drafter_dir)]

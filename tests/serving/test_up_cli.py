@@ -42,6 +42,15 @@ def test_up_starts_a_drafter_only_when_there_is_one_to_use(tmp_path, monkeypatch
         assert verifier_args[verifier_args.index("--drafter-dir") + 1] == expected
 
 
+@pytest.mark.parametrize("rule", ["token", "block"])
+def test_up_hands_the_verification_rule_to_the_verifier(tmp_path, rule):
+    from dspark.serving.up_cli import stack_processes
+
+    procs = stack_processes(up_args(drafter_dir="none", verification=rule), tmp_path)
+    verifier_args = procs[0][0].module_args
+    assert verifier_args[verifier_args.index("--verification") + 1] == rule
+
+
 def test_up_refuses_an_unknown_policy_before_starting_anything(tmp_path, capsys):
     from dspark.serving.up_cli import run
 

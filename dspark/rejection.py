@@ -255,7 +255,8 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     next_tokens = (row_argmax[next_rows] if row_argmax is not None
                    else torch.zeros(num_requests, dtype=torch.int64, device=device))
     if by_blocks:
-        outcome = _verify_sampled_blocks(batch, draws, sampled, p_draft)
+        outcome = _verify_sampled_blocks(batch, draws, sampled, p_draft, request_sampling,
+                                         req_of_draft)
         num_accepted[sampled] = outcome.num_accepted
         next_tokens[sampled] = outcome.next_tokens
     elif bool(sampled.any()):
@@ -276,12 +277,13 @@ def draft_support(draft_probs: DraftProbs, rows: torch.Tensor, vocab_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The selected draft rows on their support: (token ids [n, k], probabilities [n, k]); a
     dense row's support is the whole vocabulary."""
-    every_row = rows.shape[0] == (draft_probs.indices.shape[0] if isinstance(
-        draft_probs, SparseDraftProbs) else draft_probs.shape[0])  # rows are then 0..n-1
     if isinstance(draft_probs, SparseDraftProbs):
-        if every_row:
-            return draft_probs.indices, draft_probs.probs.float()
-        return draft_probs.indices[rows], draft_probs.probs[rows].float()
+        every_row = rows.shape[0] == draft_probs.indices.shape[0]  # rows are then 0..n-1
+        shared = draft_probs.shared_support
+        ids = (shared.expand(rows.shape[0], -1) if shared is not None
+               else draft_probs.indices if every_row else draft_probs.indices[rows])
+        return ids, (draft_probs.probs if every_row else draft_probs.probs[rows]).float()
+    every_row = rows.shape[0] == draft_probs.shape[0]
     ids = torch.arange(vocab_size, device=rows.device).expand(rows.shape[0], -1)
     return ids, (draft_probs if every_row else draft_probs[rows]).float()
 
@@ -299,17 +301,17 @@ def _at_token_columns(values: torch.Tensor, support: torch.Tensor, q_support: to
 
 
 def _verify_sampled_blocks(batch: VerifyBatch, draws: RandomDraws, sampled: torch.Tensor,
-                           p_draft: torch.Tensor) -> BlockOutcome:
+                           p_draft: torch.Tensor, request_sampling: SamplingTensors,
+                           req_of_draft: torch.Tensor) -> BlockOutcome:
     """Block verification (dspark.block_verification) of the requests where `sampled`
-    [num_requests] is True; p_draft [num_drafts]: p^d_k(x_k) of every draft. The residual masses
-    read the target's distribution on each draft's support only."""
+    [num_requests] is True; p_draft [num_drafts]: p^d_k(x_k) of every draft; request_sampling
+    [num_requests]; req_of_draft [num_drafts]: each draft's request. The residual masses read the
+    target's distribution on each draft's support only."""
     device = batch.target_logits.device
     request_ids = torch.arange(batch.num_requests, device=device)
     lens = batch.draft_lens[sampled]  # [m]
-    req_of_draft = torch.repeat_interleave(request_ids, batch.draft_lens)  # [num_drafts]
     rows = sampled[req_of_draft].nonzero().squeeze(1)  # [n_d] their draft rows
     target_rows = rows + req_of_draft[rows]  # [n_d] P_i of each draft
-    request_sampling = SamplingTensors.from_params(batch.sampling, device=device)
     draft_sampling = request_sampling.select(sampled).repeat(lens)  # [n_d]
     support, q_support = draft_support(batch.draft_probs, rows, batch.vocab_size)  # [n_d, k]
     tokens = batch.draft_tokens[rows]  # [n_d]

@@ -264,9 +264,8 @@ def probs_at_columns(logits: torch.Tensor, columns: torch.Tensor, sampling: Samp
             picked = scaled.gather(1, columns[plain])
         out[plain] = torch.exp(picked - lse)
     if bool(filtered.any()):
-        sub = SamplingTensors(sampling.temperature[filtered], sampling.top_k[filtered],
-                              sampling.top_p[filtered])
-        out[filtered] = probs_from_logits(logits[rows[filtered]], sub).gather(1, columns[filtered])
+        out[filtered] = probs_from_logits(logits[rows[filtered]], sampling.select(filtered)
+                                          ).gather(1, columns[filtered])
     return out
 
 

@@ -230,7 +230,7 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     tested = greedy[req_of_draft] if by_blocks else None  # [num_drafts] bool, None = all
     # Every row's argmax, once, when a request is greedy: its drafts' test and its next token.
     row_argmax = argmax_first(batch.target_logits, dim=1) if bool(greedy.any()) else None
-    draft_sampling = SamplingTensors.from_params(batch.sampling, repeats=draft_lens, device=device)
+    draft_sampling = request_sampling.repeat(draft_lens)  # [num_drafts]
     p_draft = draft_prob_of_tokens(batch.draft_probs, batch.draft_tokens)  # [num_drafts]
     if bool((p_draft <= 0).any()):
         raise ValueError("a draft token has zero probability under its draft distribution: "

@@ -81,17 +81,12 @@ class SamplingTensors:
     top_p: torch.Tensor  # float32
 
     @staticmethod
-    def from_params(params: Sequence[SamplingParams], repeats: torch.Tensor | None = None,
+    def from_params(params: Sequence[SamplingParams],
                     device: torch.device | str = "cpu") -> "SamplingTensors":
-        """One row per request, or `repeats[r]` rows for request r (repeats: [num_requests])."""
+        """One row per request (`repeat` gives a request several rows)."""
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        if repeats is not None:
-            repeats = repeats.cpu()
-            temperature = temperature.repeat_interleave(repeats)
-            top_k = top_k.repeat_interleave(repeats)
-            top_p = top_p.repeat_interleave(repeats)
         return SamplingTensors(temperature.to(device), top_k.to(device), top_p.to(device))
 
     def select(self, rows: torch.Tensor) -> "SamplingTensors":

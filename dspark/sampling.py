@@ -215,9 +215,7 @@ def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling
         picked = scaled[plain_rows, tokens[plain]]
         out[plain] = torch.exp(picked - lse[plain_rows])
     if bool(filtered.any()):
-        sub = SamplingTensors(sampling.temperature[filtered], sampling.top_k[filtered],
-                              sampling.top_p[filtered])
-        probs = probs_from_logits(logits[rows[filtered]], sub)
+        probs = probs_from_logits(logits[rows[filtered]], sampling.select(filtered))
         out[filtered] = probs.gather(1, tokens[filtered].unsqueeze(1)).squeeze(1)
     return out
 

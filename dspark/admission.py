@@ -555,6 +555,19 @@ class Admitter:
         admitted with its first j - 1, so no draft past position K can be verified."""
         return None if self._async is None else self._async.planned_capacity(self._step)
 
+    def positions_to_draft(self, gamma: int) -> int:
+        """Block positions worth drafting for the next step: no policy admits a draft past them.
+        ``fixed:N``: N (at least 1, so that ``fixed:0`` still drafts); ``async_topk`` with a K
+        already decided: K + 1 (a request's j-th draft is only admitted with its first j - 1, so
+        none past K; the extra position lets this round's confidences raise K for a later one);
+        otherwise the whole block. Drafting fewer positions leaves the admitted drafts'
+        distributions as they are."""
+        policy = self.config.policy
+        if policy.kind is PolicyKind.FIXED:
+            return min(gamma, max(1, policy.fixed_length))
+        planned = self.planned_capacity()
+        return gamma if planned is None else min(gamma, planned + 1)
+
     def planned_gain(self) -> float | None:
         """``async_topk``: the expected gain of the next step's K over no drafts
         (:meth:`AsyncTopKAdmission.planned_gain`); None for the other policies or no history."""

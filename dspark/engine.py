@@ -244,7 +244,7 @@ class RoundRecord:
     request_ids: list[Hashable]
     confidences: torch.Tensor
     """[num_requests, positions drafted] float32 c_k exactly as the drafter returned them (the
-    whole block gamma unless async_topk drafted fewer, see Engine._positions_to_draft)."""
+    whole block gamma unless the policy admits fewer, see Admitter.positions_to_draft)."""
     num_admitted: list[int]
     """[num_requests] l_r: drafts sent to the target."""
     num_accepted: list[int] | None
@@ -526,7 +526,7 @@ class Engine:
         drafted = running if sample is None else [running[i] for i in sample]
         start = time.perf_counter()
         self._held.take([r.request_id for r in drafted], self.verifier, self.drafter)
-        num_positions = self._positions_to_draft(gamma)
+        num_positions = self.admitter.positions_to_draft(gamma)
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
                           r.generator) for r in drafted],
@@ -555,15 +555,6 @@ class Engine:
             self.stats.capacity.append(self.admitter.capacity_used)
             self.drafting_gate.record_capacity(self.admitter.capacity_used, self._load())
         return blocks, lengths, record, steady
-
-    def _positions_to_draft(self, gamma: int) -> int:
-        """Positions per block worth drafting this round. With `async_topk` and a known K, no
-        draft past position K can be admitted (Admitter.planned_capacity), so K + 1 positions are
-        drafted: the extra one lets the confidences of this round raise K for a later one. The
-        admitted drafts are the same as with whole blocks; K is the stale value, never this
-        round's tokens."""
-        planned = self.admitter.planned_capacity()
-        return gamma if planned is None else min(gamma, planned + 1)
 
     def _record_verify_step(self, result: VerifyOutput, verify_seconds: float) -> None:
         """The verification step's times and tokens into the stats."""

@@ -526,3 +526,24 @@ def test_capped_requests_leave_room_for_others():
     assert admit_sync_greedy(c, table, max_lengths=np.array([1, 3])).tolist() == [1, 3]
     cand = sorted_candidates(survival_probs(c), np.array([1, 3]))
     assert len(cand) == 4 and best_capacity(cand, table) == 4
+
+
+def test_positions_to_draft_stop_where_no_policy_admits_more():
+    """fixed:N drafts N positions (at least one), async_topk K + 1 once K is decided, the other
+    policies the whole block; and what each policy admits never passes those positions."""
+    table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    gamma = 7
+    for text, positions in (("fixed:2", 2), ("fixed:0", 1), ("fixed:9", 7), ("none", 7),
+                            ("threshold:0.5", 7), ("sync_greedy", 7)):
+        admitter = Admitter(AdmissionConfig(policy=AdmissionPolicy.parse(text)), table)
+        assert admitter.positions_to_draft(gamma) == positions, text
+        c = np.full((3, positions), 0.99)
+        assert int(admitter.admit(c, block_size=gamma).max()) <= positions, text
+    admitter = Admitter(AdmissionConfig(policy=AdmissionPolicy.parse("async_topk")), table)
+    assert admitter.positions_to_draft(gamma) == gamma  # no K decided yet
+    for _ in range(4):
+        admitter.admit(np.full((1, gamma), 0.99))
+        k = admitter.planned_capacity()
+        if k is not None:
+            assert admitter.positions_to_draft(gamma) == min(gamma, k + 1)
+    assert admitter.planned_capacity() is not None

@@ -286,6 +286,27 @@ def test_async_topk_drafts_only_the_positions_it_can_verify(tiny_target, referen
     assert asked[0][1] == GAMMA and any(n < GAMMA for _, n in asked)
 
 
+def test_fixed_policy_drafts_only_the_positions_it_verifies(tiny_target, reference_greedy):
+    """fixed:2 verifies two drafts a round, so the drafter is asked for two positions, and the
+    greedy output stays the target's."""
+    engine = make_engine(tiny_target[0], "fixed:2", max_running=2)
+    inner, asked = engine.drafter, []
+
+    class Recording:
+        gamma = inner.gamma
+        append_context = inner.append_context
+        release = inner.release
+
+        def draft(self, requests, sparse_top_k=None, num_positions=None):
+            asked.append(num_positions)
+            return inner.draft(requests, sparse_top_k=sparse_top_k, num_positions=num_positions)
+
+    engine.drafter = Recording()
+    done = engine.generate(PROMPTS[:2], SamplingParams(temperature=0), max_tokens=24)
+    assert [r.output_ids for r in done] == reference_greedy[:2]
+    assert asked and set(asked) == {2}
+
+
 def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, reference_greedy):
     """Drafting that costs more than any draft can save: the shared-device objective (the
     default) stops verifying drafts and so skips the drafter, the paper's objective (drafting

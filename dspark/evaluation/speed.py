@@ -11,6 +11,8 @@ Rows (`--methods`, in this order):
   them too (`SHARED_DEVICE`, the engine's default), as drafter and target share this CPU;
 - `dspark-full`: the same drafter verifying its full block every round (`fixed:gamma`): what
   `async_topk`'s choice of how many drafts to verify is measured against;
+- `dspark-fixed2`, `dspark-fixed3`: the same drafter verifying its first 2 or 3 drafts every round
+  (`fixed:N`; `mtp1` is N = 1): the fixed lengths between one draft and the full block;
 - `dspark-sync`: the same drafter with `sync_greedy` (the paper's Algorithm 1: drafts every
   round, then admits by Theta with SPS(B));
 - `hf-generate`: transformers `generate` on the same weights in this process;
@@ -123,6 +125,8 @@ ROWS: dict[str, RowSpec] = {r.name: r for r in (
             "dspark", "async_topk", drafter_dtype="float32"),
     RowSpec("dspark-sync", "DSpark (sync_greedy)", RowKind.ENGINE, "dspark", "sync_greedy"),
     RowSpec("dspark-full", "DSpark (full block)", RowKind.ENGINE, "dspark", FULL_BLOCK),
+    *(RowSpec(f"dspark-fixed{n}", f"DSpark (fixed:{n})", RowKind.ENGINE, "dspark", f"fixed:{n}")
+      for n in (2, 3)),
     RowSpec("hf-generate", "transformers generate", RowKind.HF_GENERATE),
     RowSpec("hf-prompt-lookup", "transformers prompt lookup", RowKind.HF_PROMPT_LOOKUP),
 )}

@@ -262,12 +262,9 @@ def test_async_topk_probes_keep_their_sample_and_fill_it_with_the_newest(tiny_ta
         assert requests[rid].output_ids == reference[:n]
 
 
-def test_async_topk_drafts_only_the_positions_it_can_verify(tiny_target, reference_greedy):
-    """With K known (decided two rounds before), no draft past position K can be admitted, so
-    the drafter is asked for K + 1 positions (the whole block while K is unknown); greedy output
-    stays the target's."""
-    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
-    engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=3)
+def record_draft_calls(engine: Engine) -> list[tuple[int | None, int | None]]:
+    """Wrap the engine's drafter: each draft call appends (the admitter's planned K, the
+    positions asked for) to the returned list."""
     inner, asked = engine.drafter, []
 
     class Recording:
@@ -280,6 +277,16 @@ def test_async_topk_drafts_only_the_positions_it_can_verify(tiny_target, referen
             return inner.draft(requests, sparse_top_k=sparse_top_k, num_positions=num_positions)
 
     engine.drafter = Recording()
+    return asked
+
+
+def test_async_topk_drafts_only_the_positions_it_can_verify(tiny_target, reference_greedy):
+    """With K known (decided two rounds before), no draft past position K can be admitted, so
+    the drafter is asked for K + 1 positions (the whole block while K is unknown); greedy output
+    stays the target's."""
+    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+    engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=3)
+    asked = record_draft_calls(engine)
     done = engine.generate(PROMPTS[:2], SamplingParams(temperature=0), max_tokens=24)
     assert [r.output_ids for r in done] == reference_greedy[:2]
     assert asked and all(n == (GAMMA if k is None else min(GAMMA, k + 1)) for k, n in asked)
@@ -290,21 +297,10 @@ def test_fixed_policy_drafts_only_the_positions_it_verifies(tiny_target, referen
     """fixed:2 verifies two drafts a round, so the drafter is asked for two positions, and the
     greedy output stays the target's."""
     engine = make_engine(tiny_target[0], "fixed:2", max_running=2)
-    inner, asked = engine.drafter, []
-
-    class Recording:
-        gamma = inner.gamma
-        append_context = inner.append_context
-        release = inner.release
-
-        def draft(self, requests, sparse_top_k=None, num_positions=None):
-            asked.append(num_positions)
-            return inner.draft(requests, sparse_top_k=sparse_top_k, num_positions=num_positions)
-
-    engine.drafter = Recording()
+    asked = record_draft_calls(engine)
     done = engine.generate(PROMPTS[:2], SamplingParams(temperature=0), max_tokens=24)
     assert [r.output_ids for r in done] == reference_greedy[:2]
-    assert asked and set(asked) == {2}
+    assert asked and {n for _, n in asked} == {2}
 
 
 def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, reference_greedy):

@@ -6,8 +6,7 @@ instead of its own softmax (s = 1). The acceptance of one position is 1 - TV(q_s
 measures it on the learning curve's held-out blocks (`dspark.training.heldout`: 64 held-out
 answers, 64 anchor blocks each, teacher-forced) for each scale in `--scales`, with the shipped
 drafter. The drafter is trained with a TV term (`dspark.training.losses`), so s = 1 is expected
-to be about the best. It builds the campaign's trainer only for its teacher and held-out blocks;
-nothing is trained. Prints a markdown table and one JSON line. Usage:
+to be about the best. A trainer is built only for its teacher; nothing is trained. Prints a markdown table and one JSON line. Usage:
     .venv/bin/python bench/draft_temperature.py [--scales 0.7,0.8,0.9,1.0,1.1] [--threads 2]
 """
 
@@ -20,9 +19,13 @@ import tempfile
 import torch
 
 from dspark.fetch import ensure_model
+from dspark.methods import DrafterKind
+from dspark.models.drafter_config import DrafterConfig
+from dspark.models.drafter_io import load_drafter
 from dspark.paths import SHARED_DIR
-from dspark.training import train_cli
-from dspark.training.trainer import Trainer
+from dspark.training.batches import read_examples
+from dspark.training.heldout import HeldoutEvaluator
+from dspark.training.trainer import TrainConfig, Trainer
 
 ANSWER_FILES = (f"{SHARED_DIR}/data/answers/smollm2_greedy_fp32.jsonl.gz", "data/smollm2_answers_t1.jsonl.gz",
                 "data/smollm2_answers.jsonl.gz", "data/answers/greedy.jsonl.gz",
@@ -38,21 +41,29 @@ def main() -> int:
     parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--data", default=",".join(ANSWER_FILES))
     parser.add_argument("--scales", default="0.7,0.8,0.9,1.0,1.1")
+    parser.add_argument("--examples", type=int, default=64, help="held-out answers (the curve's 64)")
+    parser.add_argument("--anchors", type=int, default=64, help="anchor blocks per answer (the curve's 64)")
+    parser.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="the teacher's dtype (the campaign's: bfloat16)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     scales = [float(s) for s in args.scales.split(",")]
-    train_parser = argparse.ArgumentParser()
-    train_cli.configure(train_parser)
-    train_args = train_parser.parse_args([  # the campaign's drafter shape and held-out set
-        "--data", args.data, "--target", str(args.model_dir or ensure_model()),
-        "--out", tempfile.mkdtemp(), "--method", "markov", "--layers", "2", "--markov-rank", "64",
-        "--gamma", "7", "--draft-vocab", "8192", "--inject-last-context",
-        "--init-from-drafter", args.checkpoint, "--steps", "1", "--batch", "4",
-        "--target-dtype", "bfloat16", "--student-dtype", "bfloat16", "--eval-every", "1",
-        "--eval-examples", "64", "--eval-anchors", "64", "--no-progress", "--no-resume"])
-    trainer = Trainer(train_cli.config_from_args(train_args))
-    model, forward_train = trainer.model, trainer.model.forward_train
+    dcfg = DrafterConfig.load(args.checkpoint)
+    cfg = TrainConfig(data_path=args.data, target_dir=str(args.model_dir or ensure_model()),
+                      out_dir=tempfile.mkdtemp(), method=DrafterKind(dcfg.markov_head_type.value),
+                      num_layers=dcfg.num_hidden_layers, gamma=dcfg.block_size,
+                      markov_rank=dcfg.markov_rank, draft_vocab_size=dcfg.draft_vocab_size,
+                      target_layer_ids=list(dcfg.target_layer_ids), target_dtype=args.target_dtype,
+                      steps=1, batch_size=4, teacher_cache=False)
+    trainer = Trainer(cfg)  # only for its teacher
+    model = load_drafter(args.checkpoint, trainer.teacher.embed_weight,
+                         trainer.teacher.lm_head_weight).float().eval()
+    reduced = dcfg.draft_vocab_size is not None
+    heldout = HeldoutEvaluator(read_examples(args.data, "heldout")[:args.examples], trainer.teacher,
+                               dcfg.block_size, args.anchors, cfg.max_seq_len,
+                               model.draft_to_target.clone() if reduced else None, trainer.device)
+    forward_train = model.forward_train
     rows = []
     for scale in scales:
         def scaled(*a, scale=scale, **k):
@@ -61,7 +72,7 @@ def main() -> int:
             return out
 
         model.forward_train = scaled
-        result = trainer.heldout.evaluate(model)
+        result = heldout.evaluate(model)
         rows.append({"scale": scale, "tau_t1": result["tau_t1"], "accept_t1": result["accept_t1"],
                      "blocks": result["blocks"]})
     print(f"{args.checkpoint}: held-out blocks {rows[0]['blocks']}, teacher-forced, T=1\n")

@@ -6,7 +6,8 @@ instead of its own softmax (s = 1). The acceptance of one position is 1 - TV(q_s
 measures it on the learning curve's held-out blocks (`dspark.training.heldout`: 64 held-out
 answers, 64 anchor blocks each, teacher-forced) for each scale in `--scales`, with the shipped
 drafter. The drafter is trained with a TV term (`dspark.training.losses`), so s = 1 is expected
-to be about the best. A trainer is built only for its teacher; nothing is trained. Prints a markdown table and one JSON line. Usage:
+to be about the best. A trainer is built only for its teacher; nothing is trained. Prints a
+markdown table and one JSON line. Usage:
     .venv/bin/python bench/draft_temperature.py [--scales 0.7,0.8,0.9,1.0,1.1] [--threads 2]
 """
 
@@ -27,8 +28,9 @@ from dspark.training.batches import read_examples
 from dspark.training.heldout import HeldoutEvaluator
 from dspark.training.trainer import TrainConfig, Trainer
 
-ANSWER_FILES = (f"{SHARED_DIR}/data/answers/smollm2_greedy_fp32.jsonl.gz", "data/smollm2_answers_t1.jsonl.gz",
-                "data/smollm2_answers.jsonl.gz", "data/answers/greedy.jsonl.gz",
+ANSWER_FILES = (f"{SHARED_DIR}/data/answers/smollm2_greedy_fp32.jsonl.gz",
+                "data/smollm2_answers_t1.jsonl.gz", "data/smollm2_answers.jsonl.gz",
+                "data/answers/greedy.jsonl.gz",
                 "data/answers/t1.jsonl.gz", "data/answers/chat_t1.jsonl.gz",
                 "data/answers/greedy_t1_prompts.jsonl.gz")
 """The campaign's answer files in its order (scripts/drafter_campaign.sh): the held-out blocks
@@ -38,11 +40,14 @@ are the first held-out answers of that list, those of the learning curve."""
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="checkpoints/dspark-markov")
-    parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
+    parser.add_argument("--model-dir", default=None,
+                        help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--data", default=",".join(ANSWER_FILES))
     parser.add_argument("--scales", default="0.7,0.8,0.9,1.0,1.1")
-    parser.add_argument("--examples", type=int, default=64, help="held-out answers (the curve's 64)")
-    parser.add_argument("--anchors", type=int, default=64, help="anchor blocks per answer (the curve's 64)")
+    parser.add_argument("--examples", type=int, default=64,
+                        help="held-out answers (the curve's 64)")
+    parser.add_argument("--anchors", type=int, default=64,
+                        help="anchor blocks per answer (the curve's 64)")
     parser.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="the teacher's dtype (the campaign's: bfloat16)")
     parser.add_argument("--threads", type=int, default=2)
@@ -80,7 +85,8 @@ def main() -> int:
     print("| scale s | tau at T=1 | " + " | ".join(f"k={k + 1}" for k in range(gamma)) + " |")
     print("|---:|---:|" + "---:|" * gamma)
     for r in rows:
-        print(f"| {r['scale']} | {r['tau_t1']:.4f} | " + " | ".join(f"{a:.4f}" for a in r["accept_t1"]) + " |")
+        cells = " | ".join(f"{a:.4f}" for a in r["accept_t1"])
+        print(f"| {r['scale']} | {r['tau_t1']:.4f} | {cells} |")
     print(json.dumps({"bench": "draft_temperature", "checkpoint": args.checkpoint, "rows": rows}))
     return 0
 

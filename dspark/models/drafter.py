@@ -397,8 +397,7 @@ class DSparkDrafter(FrozenTargetHead):
         for k in range(n):
             logits_k = base[:, k]  # [R, V_d]
             if self.markov_head is not None:
-                bias, state, w1_prev = self.markov_head.step(prev, hn[:, k], state)
-                logits_k = logits_k + bias.float()
+                logits_k, state, w1_prev = self.markov_head.add_bias(logits_k, prev, hn[:, k], state)
                 w1_prevs.append(w1_prev)  # [R, r]: W1[x_{k-1}]
             u_k = None if uniforms is None else uniforms[:, k]
             sample = sample_block_position(logits_k, plan, u_k)

@@ -441,6 +441,8 @@ def test_packed_for_inference_drafts_the_same_blocks(head):
     assert models[1].packed_lm_head is not None
     for layer in models[1].layers:  # q/k/v and gate/up as one product each
         assert layer.self_attn.qkv_packed is not None and layer.mlp.gate_up_packed is not None
+    if head == "markov":  # each position's bias added by one float32 addmm
+        assert models[1].markov_head.w2_t is not None and models[0].markov_head.w2_t is None
     ids, feats = sequence()
     blocks = []
     for model in models:

@@ -1,15 +1,16 @@
 """Block verification against the token rule on the same drafted blocks: expected accepted drafts.
 
 The shipped drafter generates each eval set's first `--limit` prompts at `--temperature` with the
-whole block verified every round (`dspark eval`'s protocol, token rule). Every sampled round's
-block is also scored exactly, without drawing: the expected number of drafts the token rule keeps,
+whole block verified every round (`dspark eval`'s protocol, token rule), or only its first
+`--verify-len` drafts (a served admission verifies shorter blocks). Every sampled round's block
+is also scored exactly, without drawing: the expected number of drafts the token rule keeps,
 sum_k prod_{i<=k} min(1, P_i(x_i) / Q_i(x_i)), and the block rule's, sum_i i P(tau = i) from
 `dspark.block_verification.stop_probabilities`. Both are expectations over the verifier's draws on
 the same blocks, so the ratio carries none of the sampling noise that comparing two runs would.
 Also the mean cost of one verification under each rule, timed on the recorded batches. Prints a
 markdown table and one JSON line. Usage:
     .venv/bin/python bench/block_verification.py [--limit 10] [--max-tokens 128]
-        [--temperature 1] [--threads 2] [--dtype bfloat16]
+        [--temperature 1] [--threads 2] [--dtype bfloat16] [--verify-len 7]
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main() -> int:
     parser.add_argument("--max-running", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--verify-len", type=int, default=None,
+                        help="drafts verified a round (default: the whole block)")
     parser.add_argument("--timed-batches", type=int, default=40,
                         help="recorded batches each rule verifies again, timed")
     args = parser.parse_args()
@@ -102,11 +105,14 @@ def main() -> int:
     runner = load_target(model_dir, tuple(config.target_layer_ids),
                          kv_cache_tokens=args.max_running * 4096, dtype=args.dtype)
     drafter = load_method_drafter(args.checkpoint, runner)
+    verify_len = args.verify_len or drafter.gamma
+    if not 1 <= verify_len <= drafter.gamma:
+        parser.error(f"--verify-len must lie in 1..{drafter.gamma}")
     from dspark.verifier import TargetVerifier
 
     print(f"# {cpu_line()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}; "
-          f"{args.checkpoint}, temperature {args.temperature:g}, whole blocks of "
-          f"{drafter.gamma} verified", flush=True)
+          f"{args.checkpoint}, temperature {args.temperature:g}, the first {verify_len} of "
+          f"{drafter.gamma} drafts verified", flush=True)
     print("| set | sampled rounds | E[accepted] token rule | E[accepted] block rule | "
           "tau token | tau block | block / token tau |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -124,7 +130,7 @@ def main() -> int:
 
         verifier.batch_observer = observe
         collect_records(verifier, drafter, prompts,
-                        CollectConfig(verify_len=drafter.gamma, temperature=args.temperature,
+                        CollectConfig(verify_len=verify_len, temperature=args.temperature,
                                       max_tokens=args.max_tokens, max_running=args.max_running,
                                       stop_token_ids=stop_token_ids(tokenizer)))
         if not scores:
@@ -141,10 +147,10 @@ def main() -> int:
           f"{block_macro / token_macro:.3f} |")
     costs = {rule.value: verify_ms(recorded, rule, repeats=3) for rule in VerificationRule}
     print(f"\none verification of the recorded batches ({len(recorded)} of up to "
-          f"{args.max_running} requests x {drafter.gamma} drafts), median ms: "
+          f"{args.max_running} requests x {verify_len} drafts), median ms: "
           + ", ".join(f"{k} rule {v:.2f}" for k, v in costs.items()))
     print(json.dumps({"bench": "block_verification", "cpu": cpu_line(), "threads": args.threads,
-                      "temperature": args.temperature, "sets": rows,
+                      "temperature": args.temperature, "verify_len": verify_len, "sets": rows,
                       "tau_macro": {"token": round(token_macro, 4), "block": round(block_macro, 4)},
                       "verify_ms": {k: round(v, 3) for k, v in costs.items()}}))
     return 0

@@ -148,7 +148,7 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
         "block_verification.py": ["--model-dir", t, "--checkpoint", str(p["drafter"]),
                                   "--eval-dir", str(p["eval"]), "--sets", "gsm8k,mt-bench",
                                   "--limit", "2", "--max-tokens", "8", "--dtype", "float32",
-                                  "--timed-batches", "2", *one],
+                                  "--timed-batches", "2", "--verify-len", "3", *one],
         "drafter_attention_probe.py": ["--model-dir", t, "--checkpoint", str(p["probe_drafter"]),
                                        "--data", str(p["data"]), "--qk-scales", "1", *one],
     }[script]

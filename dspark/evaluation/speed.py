@@ -13,6 +13,9 @@ Rows (`--methods`, in this order):
   `async_topk`'s choice of how many drafts to verify is measured against;
 - `dspark-fixed2`, `dspark-fixed3`: the same drafter verifying its first 2 or 3 drafts every round
   (`fixed:N`; `mtp1` is N = 1): the fixed lengths between one draft and the full block;
+- `dspark-block`: `dspark` with sampled requests verified by the block rule
+  (`--verification block` for this row alone, `dspark.block_verification`), so that the two
+  rules take turns wave by wave in one run;
 - `dspark-sync`: the same drafter with `sync_greedy` (the paper's Algorithm 1: drafts every
   round, then admits by Theta with SPS(B));
 - `hf-generate`: transformers `generate` on the same weights in this process;
@@ -112,6 +115,8 @@ class RowSpec:
     sync_greedy read it)."""
     drafter_dtype: str | None = None
     """The drafter's dtype; None: `dspark.loading.drafter_dtype`'s choice, as served."""
+    verification: str | None = None
+    """How engine rows verify sampled drafts (`VerificationRule`); None: `--verification`."""
 
 
 ROWS: dict[str, RowSpec] = {r.name: r for r in (
@@ -123,6 +128,8 @@ ROWS: dict[str, RowSpec] = {r.name: r for r in (
             "async_topk", ThetaObjective.PAPER),
     RowSpec("dspark-fp32-drafter", "DSpark (async_topk, float32 drafter)", RowKind.ENGINE,
             "dspark", "async_topk", drafter_dtype="float32"),
+    RowSpec("dspark-block", "DSpark (async_topk, block verification)", RowKind.ENGINE, "dspark",
+            "async_topk", verification="block"),
     RowSpec("dspark-sync", "DSpark (sync_greedy)", RowKind.ENGINE, "dspark", "sync_greedy"),
     RowSpec("dspark-full", "DSpark (full block)", RowKind.ENGINE, "dspark", FULL_BLOCK),
     *(RowSpec(f"dspark-fixed{n}", f"DSpark (fixed:{n})", RowKind.ENGINE, "dspark", f"fixed:{n}")
@@ -457,8 +464,11 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
         else:
             runner = base
             notes[name] = "policy none"
+        rule = VerificationRule(spec.verification or args.verification)
+        if rule is VerificationRule.BLOCK and spec.method is not None:
+            notes[name] += ", block verification"
         for c in concurrencies:
-            verifier = TimedVerifier(TargetVerifier(runner, VerificationRule(args.verification)))
+            verifier = TimedVerifier(TargetVerifier(runner, rule))
             timed_drafter = TimedDrafter(drafter) if drafter is not None else None
             engine = Engine(verifier, timed_drafter, CostTable.from_dict(table.to_dict()),
                             EngineConfig(policy=policy, max_running=c,

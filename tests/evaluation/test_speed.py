@@ -82,6 +82,8 @@ def test_bench_tables_json_and_ratios(setup, tmp_path, capsys):
         assert "STS calibrated" in rows["dspark-sync"]["note"]
         assert rows["dspark-full"]["note"].startswith("fixed:")  # the drafter's whole block
         assert "float32 drafter" in rows["dspark-fp32-drafter"]["note"]
+        assert rows["dspark-block"]["note"].endswith("block verification")
+        assert "block verification" not in rows["dspark"]["note"]
         base = rows["target"]["datasets"]
         base_macro = sum(base[d]["tokens"] / base[d]["seconds"] for d in DATASETS) / len(DATASETS)
         for name, r in rows.items():

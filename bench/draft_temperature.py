@@ -32,7 +32,8 @@ ANSWER_FILES = (f"{SHARED_DIR}/data/answers/smollm2_greedy_fp32.jsonl.gz",
                 "data/smollm2_answers_t1.jsonl.gz", "data/smollm2_answers.jsonl.gz",
                 "data/answers/greedy.jsonl.gz",
                 "data/answers/t1.jsonl.gz", "data/answers/chat_t1.jsonl.gz",
-                "data/answers/greedy_t1_prompts.jsonl.gz")
+                "data/answers/greedy_t1_prompts.jsonl.gz", "data/answers/chat_t07.jsonl.gz",
+                "data/answers/t1_greedy_prompts.jsonl.gz")
 """The campaign's answer files in its order (scripts/drafter_campaign.sh): the held-out blocks
 are the first held-out answers of that list, those of the learning curve."""
 

@@ -5,7 +5,10 @@
 # prompt (roleplay, awesome-chatgpt, self-instruct: 2,636) that no T=1 file answered, since chat
 # is the text the drafter accepts least and the T=1 step's weights gave it few, then greedily the
 # prompts that have only T=1 answers (the T=1 step's selection less every greedy file's prompts),
-# so that every prompt has a greedy answer and half the answers are greedy; 128 answers in flight,
+# so that every prompt has a greedy answer and half the answers are greedy, then every chat prompt
+# again at T=0.7 (a common served temperature; chat is still the text the drafter accepts least, and
+# every chat prompt already has a greedy and a T=1 answer), then at T=1 the prompts that have only
+# greedy answers (T=1 is the temperature the drafter falls shortest at); 128 answers in flight,
 # one thread at a low CPU priority (nice 10, as the drafter campaign) so the machine stays usable. DTYPE (default bfloat16)
 # sets the target's dtype: bf16 doubles the rate on a CPU with AMX-BF16 (bench/data_generate.py);
 # every record says which dtype wrote it (the greedy file's first 7,124 answers are float32). Every answer is
@@ -33,3 +36,9 @@ COMMON=(--max-new-tokens 256 --batch-size 128 --dtype "${DTYPE:-bfloat16}" --thr
 .venv/bin/dspark data generate --out data/answers/greedy_t1_prompts.jsonl.gz --num-prompts 40000 "${COMMON[@]}" \
   --temperature 0 --seed 12 --exclude data/smollm2_answers.jsonl.gz \
   --exclude "$SHARED/data/answers/smollm2_greedy_fp32.jsonl.gz" --exclude data/answers/greedy.jsonl.gz
+.venv/bin/dspark data generate --out data/answers/chat_t07.jsonl.gz --num-prompts 10000 "${COMMON[@]}" \
+  --temperature 0.7 --top-p 1 --top-k 0 --seed 15 \
+  --sources gpteacher_roleplay,awesome_chatgpt_prompts,self_instruct_seed
+.venv/bin/dspark data generate --out data/answers/t1_greedy_prompts.jsonl.gz --num-prompts 40000 "${COMMON[@]}" \
+  --temperature 1 --top-p 1 --top-k 0 --seed 14 --exclude data/smollm2_answers_t1.jsonl.gz \
+  --exclude data/answers/t1.jsonl.gz --exclude data/answers/chat_t1.jsonl.gz

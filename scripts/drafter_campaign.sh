@@ -26,13 +26,14 @@ CAMPAIGN=${CAMPAIGN:-$HOME/.cache/dspark/campaign}
 OUT=$CAMPAIGN/dspark-markov
 mkdir -p "$CAMPAIGN"
 # The growing answer files are copied once, so that a resumed run reads the same examples.
-for name in greedy t1 chat_t1 greedy_t1_prompts; do
+for name in greedy t1 chat_t1 greedy_t1_prompts chat_t07 t1_greedy_prompts; do
   [ -f "$CAMPAIGN/${name}_answers.jsonl.gz" ] || cp "data/answers/$name.jsonl.gz" "$CAMPAIGN/${name}_answers.jsonl.gz"
 done
 SHARED=${DSPARK_SHARED_DIR:-../shared}  # as dspark.paths.SHARED_DIR
 DATA=$SHARED/data/answers/smollm2_greedy_fp32.jsonl.gz,data/smollm2_answers_t1.jsonl.gz,data/smollm2_answers.jsonl.gz
 DATA=$DATA,$CAMPAIGN/greedy_answers.jsonl.gz,$CAMPAIGN/t1_answers.jsonl.gz,$CAMPAIGN/chat_t1_answers.jsonl.gz
-DATA=$DATA,$CAMPAIGN/greedy_t1_prompts_answers.jsonl.gz
+DATA=$DATA,$CAMPAIGN/greedy_t1_prompts_answers.jsonl.gz,$CAMPAIGN/chat_t07_answers.jsonl.gz
+DATA=$DATA,$CAMPAIGN/t1_greedy_prompts_answers.jsonl.gz
 last=$(ls checkpoints/dspark-markov | sed -n 's/^train_log_phase\([0-9]*\)\.jsonl$/\1/p' | sort -n | tail -1)
 SEED=${SEED:-$(( ${last:-0} + 2 ))}
 T=$(.venv/bin/python -c "from dspark.fetch import ensure_model; print(ensure_model())")

@@ -71,7 +71,8 @@ def answer_files(shared: Path) -> list[Path]:
     return [shared / "data/answers/smollm2_greedy_fp32.jsonl.gz",
             REPO / "data/smollm2_answers_t1.jsonl.gz", REPO / "data/smollm2_answers.jsonl.gz",
             REPO / "data/answers/greedy.jsonl.gz", REPO / "data/answers/t1.jsonl.gz",
-            REPO / "data/answers/chat_t1.jsonl.gz", REPO / "data/answers/greedy_t1_prompts.jsonl.gz"]
+            REPO / "data/answers/chat_t1.jsonl.gz", REPO / "data/answers/greedy_t1_prompts.jsonl.gz",
+            REPO / "data/answers/chat_t07.jsonl.gz", REPO / "data/answers/t1_greedy_prompts.jsonl.gz"]
 
 
 def sha256(data: bytes) -> str:

@@ -138,6 +138,44 @@ def imported_modules(folder: Path) -> dict[str, str]:
     return found
 
 
+def module_level_imports(folder: Path) -> dict[str, str]:
+    """Like `imported_modules`, but only the imports a module runs when it is imported (at its top
+    level, also under `if` / `try`), not those inside functions."""
+    found = {}
+    for path in sorted(folder.rglob("*.py")):
+        todo = list(ast.parse(path.read_text(), str(path)).body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.If, ast.Try)):
+                todo.extend(node.body + node.orelse + getattr(node, "finalbody", [])
+                            + [s for h in getattr(node, "handlers", []) for s in h.body])
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    found.setdefault(alias.name.split(".")[0], str(path.relative_to(REPO_ROOT)))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.setdefault(node.module.split(".")[0], str(path.relative_to(REPO_ROOT)))
+    return found
+
+
+def test_serve_extra_covers_what_the_package_imports(wheel):
+    """`pip install .[serve]` is enough for `dspark up` and every module of dspark/ and services/
+    to import: their module-level third-party imports come from the core dependencies or the
+    serve extra (the train and loadtest extras only feed imports inside functions, such as the
+    plots' matplotlib)."""
+    requires = metadata(wheel).get_all("Requires-Dist")
+    allowed = {requirement_name(r) for r in requires if requirement_extra(r) in (None, "serve")}
+    owners = importlib.metadata.packages_distributions()
+    outside = []
+    for folder in ("dspark", "services"):
+        for module, where in module_level_imports(REPO_ROOT / folder).items():
+            if module in sys.stdlib_module_names or module in FIRST_PARTY or module == "__future__":
+                continue
+            dists = {canonical(d) for d in owners.get(module, [module])}
+            if not dists & allowed:
+                outside.append(f"{module} ({where}; from {sorted(dists)})")
+    assert not outside, outside
+
+
 def test_every_third_party_import_is_declared(wheel):
     """Each third-party module the package's code imports comes from a distribution that the
     wheel requires (in its core or one of its extras), so that an import added without its

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv/ in the repo root and install DSpark Serve into it (pinned), idempotently.
-# Re-running is cheap: the install is skipped while requirements/constraints are unchanged.
+# requirements.txt installs the package editable with all its extras (pyproject.toml); every
+# package's version comes from constraints.txt. Re-running is cheap: the install is skipped while
+# requirements.txt, constraints.txt and pyproject.toml are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,8 +14,6 @@ want=$(cat requirements.txt constraints.txt pyproject.toml | sha256sum | cut -d'
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check \
     -c constraints.txt -r requirements.txt
-  .venv/bin/python -m pip install -q --disable-pip-version-check \
-    --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
 # Build the paged-attention CPU kernel now (about a minute, cached in ~/.cache/torch_extensions),

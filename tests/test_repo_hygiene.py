@@ -95,3 +95,40 @@ def test_no_work_period_labels_in_tracked_files_or_names():
             found.append(f"{name}:{number}: {label!r} in {line.strip()[:120]}")
     assert not found, ("state the condition and the number instead of a work-period label or "
                        "tracker reference:\n" + "\n".join(found))
+
+
+README_MAX_CHARS = 9000
+README_MAX_LINE = 120
+SETUP_COMMANDS = (
+    'bash scripts/setup.sh && .venv/bin/dspark generate --chat --stats "',
+    "bash scripts/test.sh",
+)
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of every line outside fenced code blocks (the fences excluded)."""
+    lines, in_code = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code:
+            lines.append((number, line))
+    return lines
+
+
+def test_prose_lines_skip_code_blocks():
+    text = "a\n```bash\n" + "x" * 200 + "\n```\nb\n"
+    assert prose_lines(text) == [(1, "a"), (5, "b")]
+
+
+def test_readme_is_a_front_page():
+    """The README stays short enough to read: under 9,000 characters, no prose or table line over
+    120 characters (results belong in docs/results/), and the two set-up commands, each alone on
+    a line of a code block, so that they can be copied as they are."""
+    text = (REPO_ROOT / "README.md").read_text()
+    assert len(text) < README_MAX_CHARS, f"README.md has {len(text)} characters"
+    long = [f"{n}: {len(line)} characters" for n, line in prose_lines(text) if len(line) > README_MAX_LINE]
+    assert not long, long
+    code = {line for line in text.splitlines()} - {line for _, line in prose_lines(text)}
+    for command in SETUP_COMMANDS:
+        assert any(line.startswith(command) for line in code), command

@@ -164,3 +164,18 @@ def test_vm_cluster_yaml_passes_rays_schema():
     assert "--num-gpus=1" in worker
     slots = json.loads(re.search(r"--resources='([^']+)'", worker).group(1))
     assert slots["dspark_cell"] >= 1
+
+
+def test_the_image_the_pods_run_is_built_with_ray_serve_and_the_builders(documents):
+    """Every Ray pod runs the image deploy/kuberay/Dockerfile tags, which copies the module the
+    serve config imports (and its build context lets it)."""
+    dockerfile = (REPO_ROOT / "deploy" / "kuberay" / "Dockerfile").read_text()
+    ignore = (REPO_ROOT / "deploy" / "kuberay" / "Dockerfile.dockerignore").read_text().split()
+    tag = re.search(r"docker build -f deploy/kuberay/Dockerfile -t (\S+) \.", dockerfile).group(1)
+    cluster = documents["RayService/dspark"]["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"]
+                                                     for g in cluster["workerGroupSpecs"]]
+    assert {c["image"] for p in pods for c in p["spec"]["containers"]} == {f"{tag}:latest"}
+    assert "COPY deploy/ray_serve.py /app/deploy/ray_serve.py" in dockerfile
+    assert "ENV PYTHONPATH=/app" in dockerfile and '"ray[serve]"' in dockerfile
+    assert "!deploy/ray_serve.py" in ignore and "!constraints.txt" in ignore

@@ -713,8 +713,6 @@ def place_cells(count: int, need_gpu: bool, taken: list[str] = ()) -> list[dict]
     already placed (`taken`): the least-used node first, within each node's CELL_RESOURCE slots.
     Fewer than `count` when the nodes are full."""
     nodes = eligible_nodes(need_gpu)
-    if not nodes:
-        raise SystemExit("no alive Ray node" + (" with a GPU" if need_gpu else ""))
     used = {n["NodeID"]: 0 for n in nodes}
     for node_id in taken:
         if node_id in used:
@@ -805,7 +803,8 @@ def build_app(config: RayServeConfig) -> list[tuple[str, object]]:
     verifier_gpus, drafter_gpus = check_cluster(config, config.cells)
     nodes = place_cells(config.cells, verifier_gpus > 0 or drafter_gpus > 0)
     if len(nodes) < config.cells:
-        raise ValueError(f"the nodes have {CELL_RESOURCE} slots for {len(nodes)} cells, "
+        raise ValueError(f"the alive nodes{' with a GPU' if verifier_gpus or drafter_gpus else ''}"
+                         f" have room ({CELL_RESOURCE} slots) for {len(nodes)} cells, "
                          f"{config.cells} asked for")
     if not config.routed:
         return [(APP_NAME, build_cell(config, 0, nodes[0], verifier_gpus, drafter_gpus,
@@ -917,8 +916,10 @@ class CellController:
                 did["removed"].append(app)
         active = {a: c for a, c in load.items() if c["healthy"] and not c["draining"]}
         want = self.desired(load)
-        self.above_since = (self.above_since or now) if want > len(active) else None
-        self.below_since = (self.below_since or now) if want < len(active) else None
+        self.above_since = None if want <= len(active) else \
+            now if self.above_since is None else self.above_since
+        self.below_since = None if want >= len(active) else \
+            now if self.below_since is None else self.below_since
         grow_after = self.config.upscale_delay_s if self.config.autoscaling else 0.0
         if self.above_since is not None and now - self.above_since >= grow_after:
             taken = [c["node_id"] for c in load.values() if not c["draining"] and c["healthy"]]
@@ -949,7 +950,12 @@ class CellController:
             apps.append((cell_app_name(index), build_cell(self.config, index, node,
                                                           verifier_gpus, drafter_gpus)))
         if apps:
-            run_apps(apps)
+            try:
+                run_apps(apps)
+            except Exception:  # a cell that cannot start leaves nothing behind
+                for name, _ in apps:
+                    serve.delete(name, _blocking=False)
+                raise
             for name, _ in apps:
                 self.router.add_cell.remote(name).result(timeout_s=60)
         return [name for name, _ in apps]
@@ -957,7 +963,11 @@ class CellController:
     def run(self, stop) -> None:
         """step() every controller_period_s until `stop` (a threading.Event) is set."""
         while not stop.wait(self.config.controller_period_s):
-            did = self.step()
+            try:
+                did = self.step()
+            except Exception as e:  # the router busy, a cell that failed to start: next period
+                print(f"cells: step failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                continue
             if any(did[k] for k in ("added", "draining", "removed", "lost")):
                 self.history.append((self.clock(), did))
                 print(f"cells: {json.dumps(did)}", flush=True)

@@ -15,27 +15,37 @@ Glossary:
   (services.scheduler.rest_api) plus `GET /cells`, to run in its event loop. With one cell the
   ingress is that replica, as a `serve.ingress` deployment (`SchedulerIngress`): the proxy hands
   each request straight to the scheduler's app (its /docs and /openapi.json included).
-- **router**: the ingress of several cells (deployment `ingress`, a `serve.ingress` FastAPI app).
-  It sends each request to the least-loaded cell's scheduler through a DeploymentHandle (ties:
-  round-robin; `/v1/requests/{id}` to the cell that holds it), whose replica runs it through its
-  app as an ASGI call (`call_asgi`: no HTTP hop to the scheduler's REST server), and returns the
-  response with the header `x-dspark-cell`; streamed (SSE) responses are streamed through.
-  Ray Serve allows one `serve.ingress` deployment per application, so the schedulers behind the
-  router are plain deployments (`SchedulerReplica`).
-  `GET /cells` lists the cells and their addresses (with one cell: that cell).
+- **router**: the ingress of several cells, or of a cell count that changes (application
+  `dspark`, deployment `ingress`, a `serve.ingress` FastAPI app on the head node). Each cell is
+  then its own application `dspark-cell<i>` rooted at its scheduler (no HTTP route; a plain
+  deployment, `SchedulerReplica`: Ray Serve allows one `serve.ingress` per application). The
+  router sends each request to the healthy cell with the fewest requests in flight through a
+  DeploymentHandle (ties: round-robin; `/v1/requests/{id}[/resume]` to the cell that runs it,
+  else one that holds its record), whose replica runs it through its app as an ASGI call
+  (`call_asgi`: no HTTP hop to the scheduler's REST server), and returns the response with the
+  header `x-dspark-cell`; streamed (SSE) responses are streamed through. It checks every cell's
+  health; a lost cell (its node died) leaves the routing and its streams end with a `cell_lost`
+  event. `GET /cells` lists the cells: node, addresses, health, requests in flight.
+- **cell controller** (`CellController`, on the driver): removes lost cells, replaces them where
+  a node has room, and with `--min-cells`/`--max-cells` follows the load (requests in flight per
+  cell), draining a cell before it removes it.
 
 Resources: every replica reserves `--service-cpus` logical CPUs; the verifier and drafter reserve
 `--verifier-gpus` / `--drafter-gpus` GPUs (default: 0.5 each when the cluster has GPUs, so one
 cell shares one GPU; 0 on a CPU-only cluster) and then run on `cuda`. A cell is pinned to one node
-through Ray's per-node resource `node:<ip>`; cells are spread round-robin over the nodes that have
-GPUs (every alive node when no GPU is asked for). Nothing of a cell listens beyond loopback: the
-proxy and the router reach a cell through Ray, the scheduler its verifier and drafter over
-127.0.0.1.
+by a label selector on the node's id (`ray.io/node-id`); cells go to the nodes with the custom
+resource `dspark_cell` (one slot per cell) when some have it, least used first, else round-robin
+over the alive nodes (with GPUs when GPUs are asked for). Nothing of a cell listens beyond
+loopback: the proxy and the router reach a cell through Ray, the scheduler its verifier and
+drafter over 127.0.0.1.
 
-Internal token: each deployment of the application generates one (Python's `secrets`) and hands it
-to every cell's verifier, drafter and scheduler in their configs (through Ray, not the command
-line or the environment), so the verifier and the drafter take calls from their scheduler only
-(metadata x-dspark-internal-token), not from other processes on the node.
+Request state: every cell's scheduler writes to the same Redis under the same prefix, so any live
+cell can fetch and resume (`/v1/requests/{id}/resume`) a request that a lost cell was running.
+
+Internal token: each cell gets its own (Python's `secrets`), handed to its verifier, drafter and
+scheduler in their configs (through Ray, not the command line or the environment), so the
+verifier and the drafter take calls from their scheduler only (metadata x-dspark-internal-token),
+not from other processes on the node.
 Multi-node set-up: deploy/README.md.
 """
 
@@ -454,7 +464,7 @@ class Ingress:
         self.health_failures = health_failures
         self.resume_locks: dict[str, asyncio.Lock] = {}
         for app in cell_apps:
-            self.add_cell(app)
+            self._add(app)
         self._checker = asyncio.get_running_loop().create_task(self._check_forever())
 
     def __serve_build_asgi_app__(self):
@@ -469,11 +479,17 @@ class Ingress:
         return app
 
     # -- the controller's side ----------------------------------------------------------------
-    def add_cell(self, app: str) -> None:
+    def _add(self, app: str) -> _RoutedCell:
         if app not in self.cells:
             self.cells[app] = _RoutedCell(app, cell_handle(app),
                                           app.removeprefix(f"{APP_NAME}-cell"))
             self.order.append(app)
+        return self.cells[app]
+
+    async def add_cell(self, app: str) -> None:
+        """Route to a cell application from now on; returns once it has been checked once (so
+        that `GET /cells` shows its node and addresses)."""
+        await self._check(self._add(app))
 
     def drain_cell(self, app: str) -> int:
         """No new requests for the cell; returns how many it still runs for the router."""
@@ -518,7 +534,8 @@ class Ingress:
 
     async def list_cells(self) -> dict:
         """`GET /cells`: every cell's addresses, node, health and requests in flight here."""
-        return {"cells": [{**c.info, "app": c.app, "healthy": c.healthy, "draining": c.draining,
+        return {"cells": [{"cell": int(c.index) if c.index.isdigit() else c.index, **c.info,
+                           "app": c.app, "healthy": c.healthy, "draining": c.draining,
                            "in_flight": c.in_flight} for c in self.cells.values()]}
 
     # -- routing ---------------------------------------------------------------------------
@@ -814,12 +831,31 @@ def build_app(config: RayServeConfig) -> list[tuple[str, object]]:
     return cells + [(APP_NAME, build_router(config, [name for name, _ in cells]))]
 
 
-def run_apps(apps: list[tuple[str, object]], route: str | None = None) -> None:
+def run_apps(apps: list[tuple[str, object]], route: str | None = None,
+             timeout_s: float = 900.0) -> None:
     """Deploy applications together (their replicas start in parallel) and return once all
-    run; the router (APP_NAME) takes HTTP at `route`, the cells have no route."""
+    run; the router (APP_NAME) takes HTTP at `route`, the cells have no route. Raises if one
+    fails to deploy or they are not all running after `timeout_s` (a replica whose constructor
+    hangs would otherwise hold the caller forever)."""
+    import time
+
     serve.run_many([serve.RunTarget(target=app, name=name,
                                     route_prefix=route if name == APP_NAME else None)
-                    for name, app in apps], wait_for_applications_running=True)
+                    for name, app in apps], wait_for_applications_running=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications
+        states = {name: status[name] for name, _ in apps if name in status}
+        failed = [n for n, a in states.items() if a.status in ("DEPLOY_FAILED", "UNHEALTHY")]
+        if failed:
+            raise RuntimeError(f"application {failed[0]} failed to deploy: "
+                               f"{states[failed[0]].message}")
+        if len(states) == len(apps) and all(a.status == "RUNNING" for a in states.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"applications not running after {timeout_s:g} s: " + ", ".join(
+                f"{n} {a.status}" for n, a in states.items()))
+        time.sleep(0.5)
 
 
 def deploy(config: RayServeConfig) -> str:
@@ -904,7 +940,8 @@ class CellController:
     def step(self) -> dict:
         now = self.clock()
         load = self.router.load.remote().result(timeout_s=60)
-        did: dict = {"added": [], "draining": [], "removed": [], "lost": []}
+        did: dict = {"added": [], "draining": [], "draining_in_flight": [], "removed": [],
+                     "lost": []}
         for app, cell in load.items():
             if not cell["healthy"] and (cell["unhealthy_s"] or 0) >= self.config.health_period_s:
                 self.router.remove_cell.remote(app).result(timeout_s=60)
@@ -930,7 +967,8 @@ class CellController:
         if self.below_since is not None and now - self.below_since >= self.config.downscale_delay_s:
             # The least busy cell goes (the newest among equals).
             app = min(active, key=lambda a: (active[a]["in_flight"], -(active[a]["cell"] or 0)))
-            self.router.drain_cell.remote(app).result(timeout_s=60)
+            did["draining_in_flight"].append(
+                self.router.drain_cell.remote(app).result(timeout_s=60))
             did["draining"].append(app)
             self.below_since = None
         did["cells"] = len(active) + len(did["added"]) - len(did["draining"])

@@ -5,8 +5,9 @@ embedded engine's greedy reference and small HTTP helpers.
 The cluster: a head (1 CPU; Serve's controller, its one HTTP proxy and the router) and two worker
 nodes with 1 CPU and one `dspark_cell` slot each, 80 MiB object stores, no dashboard. A busy
 2-core machine (load ~10) once made Ray give up waiting 30 s for its GCS port file: the wait is
-RAY_gcs_server_port_wait_time_s (Ray's own knob), raised here to 300 s; the nodes' start-up waits
-are Ray's and polling. Token auth (Ray 2.5x+) with a throw-away token, so nothing goes to ~/.ray.
+RAY_gcs_server_port_wait_time_s (Ray's own knob), raised here to 300 s; a node gets 180 s to
+appear in the GCS (Cluster's own wait is 30 s), and a node whose raylet missed Ray's fixed 30 s
+registration wait is started again. Token auth (Ray 2.5x+) with a throw-away token, so nothing goes to ~/.ray.
 """
 
 from __future__ import annotations
@@ -52,6 +53,23 @@ def load_ray_serve_module():
     return module
 
 
+NODE_WAIT_S = 180
+"""How long a node may take to register with the GCS here."""
+
+
+def with_retries(start, what: str, attempts: int = 3):
+    """start(), again when it fails: a node's raylet must register within a fixed 30 s in
+    Ray's Node (not configurable), which a machine at load ~10 can miss."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except Exception as e:
+            if attempt == attempts - 1:
+                raise
+            print(f"{what} did not start ({type(e).__name__}: {e}); starting it again")
+            time.sleep(2)
+
+
 @dataclass
 class RayTestCluster:
     cluster: object
@@ -62,8 +80,13 @@ class RayTestCluster:
     """Serve's HTTP port for the session (Serve keeps the first one it was started with)."""
 
     def add_worker(self):
-        node = self.cluster.add_node(num_cpus=1, resources={"dspark_cell": 1},
-                                     object_store_memory=NODE_OBJECT_STORE)
+        def start():
+            node = self.cluster.add_node(wait=False, num_cpus=1, resources={"dspark_cell": 1},
+                                         object_store_memory=NODE_OBJECT_STORE)
+            self.cluster._wait_for_node(node, timeout=NODE_WAIT_S)  # Cluster's own: 30 s
+            return node
+
+        node = with_retries(start, "a worker node")
         self.workers.append(node)
         return node
 
@@ -81,9 +104,10 @@ def ray_cluster():
     saved = {k: os.environ.get(k) for k in [*wanted, "RAY_AUTH_MODE"]}
     os.environ.pop("RAY_AUTH_MODE", None)
     os.environ.update(wanted)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "object_store_memory": NODE_OBJECT_STORE,
-        "_system_config": SYSTEM_CONFIG})
+    cluster = Cluster()
+    with_retries(lambda: cluster.add_node(
+        num_cpus=1, include_dashboard=False, object_store_memory=NODE_OBJECT_STORE,
+        _system_config=SYSTEM_CONFIG), "the head node")
     test_cluster = RayTestCluster(cluster, http_port=free_port())
     try:
         for _ in range(2):

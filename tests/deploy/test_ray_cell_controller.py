@@ -102,6 +102,7 @@ def test_the_cell_count_follows_the_load_after_the_delays(controlled):
     now[0] = 15.0
     did = controller.step()
     assert did["draining"] == ["dspark-cell2"]  # cells 1 and 2 equally busy: the newest goes
+    assert did["draining_in_flight"] == [1]
     assert router.cells["dspark-cell2"]["draining"] and deleted == []
     now[0] = 16.0
     assert controller.step()["removed"] == []  # its stream runs on
@@ -120,8 +121,8 @@ def test_the_cell_count_follows_the_load_after_the_delays(controlled):
     # No load: min_cells stay.
     router.cells["dspark-cell0"]["in_flight"] = 0
     now[0] = 60.0
-    assert controller.step() == {"added": [], "draining": [], "removed": [], "lost": [],
-                                 "cells": 1, "wanted": 1}
+    assert controller.step() == {"added": [], "draining": [], "draining_in_flight": [],
+                                 "removed": [], "lost": [], "cells": 1, "wanted": 1}
 
 
 def test_a_lost_cell_is_removed_and_replaced_without_autoscaling(controlled):

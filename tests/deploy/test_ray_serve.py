@@ -358,6 +358,7 @@ def test_a_node_lost_mid_stream(ray_cluster, two_cells, long_references):
         assert kept + rest == reference
         assert get_json(f"{url}/v1/requests/{s.request_id}")["output_token_ids"] == reference
 
+    finished = [s.ended_at - s.started for s in streams if s.end == "done"]
     served = [a for a in answers if not a[3]]
     first_answer = min(a[1] for a in served if a[0] >= killed) - killed
     errors_after_notice = [a for a in answers if a[3] and a[0] >= noticed]
@@ -365,7 +366,8 @@ def test_a_node_lost_mid_stream(ray_cluster, two_cells, long_references):
           f"{len(interrupted)} interrupted and resumed ({resumed_tokens} tokens after the resume), "
           f"{lost_tokens} tokens lost; router noticed after {noticed - killed:.1f} s; first new "
           f"answer {first_answer:.1f} s after the loss; {len(served)} new requests served, "
-          f"{len(answers) - len(served)} failed ({len(errors_after_notice)} after the notice)")
+          f"{len(answers) - len(served)} failed ({len(errors_after_notice)} after the notice); "
+          f"the uninterrupted streams took {min(finished or [0]):.1f}-{max(finished or [0]):.1f} s")
     assert lost_tokens == 0
     assert noticed - killed < 10
     assert not errors_after_notice
@@ -373,64 +375,102 @@ def test_a_node_lost_mid_stream(ray_cluster, two_cells, long_references):
 
 
 def test_cells_follow_the_load(tiny_models, ray_cluster, two_cells, long_references):
-    """After the node loss: the controller removes the lost cell; with a new node and a load
-    above 2 requests per cell a second cell starts there and serves; when the load falls it is
-    drained and removed; every request of the ramp completes with the greedy output."""
+    """After the node loss, the cell controller against the real router and Serve, stepped by
+    the test on a clock of its own (the delays themselves: test_ray_cell_controller.py): the
+    lost cell removed; with a new node and 4 requests in flight (2 per cell wanted) a second cell
+    starts there and serves; with 2 streams left, one on each cell, the newest cell drains while
+    its stream runs, the stream goes on to its end, and the cell is removed; every request of the
+    ramp completes with the greedy output."""
     rs, config, url = two_cells
     auto = dataclasses.replace(config, min_cells=1, max_cells=2, target_ongoing_requests=2,
-                               upscale_delay_s=1.0, downscale_delay_s=2.0,
-                               controller_period_s=0.5)
-    controller = rs.CellController(auto)
-    controller.next_index = 2
-    stop = threading.Event()
-    running = threading.Thread(target=controller.run, args=(stop,), daemon=True)
-    running.start()
-    try:
-        wait_for(lambda: len(get_json(f"{url}/cells")["cells"]) == 1, 60,
-                 "the lost cell to be removed")
-        survivor, = [c["cell"] for c in get_json(f"{url}/cells")["cells"]]
-        ray_cluster.add_worker()  # room for a second cell
+                               upscale_delay_s=1.0, downscale_delay_s=1.0)
+    now = [0.0]
+    controller = rs.CellController(auto, clock=lambda: now[0])
+    router = controller.router
+    results: list[Stream] = []
 
-        results: list[tuple[str, str, bool]] = []  # (cell, end, tokens right)
-        load_on = threading.Event()
-        load_on.set()
+    def stream(i: int, max_tokens: int) -> Stream:
+        s = Stream(ray_cluster.http_port, {"model": "tiny", "prompt": STREAM_PROMPTS[i],
+                                           "max_tokens": max_tokens, "temperature": 0,
+                                           "stream": True})
+        s.prompt_index = i
+        results.append(s)
+        return s
 
-        def client(i: int) -> None:
-            prompt = STREAM_PROMPTS[i % len(STREAM_PROMPTS)]
-            while load_on.is_set():
-                s = Stream(ray_cluster.http_port, {"model": "tiny", "prompt": prompt,
-                                                   "max_tokens": 200, "temperature": 0,
-                                                   "stream": True})
-                s.run()
-                results.append((s.cell, s.end, s.tokens == long_references[
-                    i % len(STREAM_PROMPTS)][:200]))
+    def in_flight() -> int:
+        return sum(c["in_flight"] for c in router.load.remote().result(timeout_s=60).values())
 
-        clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
-        for c in clients:
-            c.start()
-        started = time.monotonic()
-        wait_for(lambda: any(r[0] == "2" for r in results), 240,
-                 "a second cell to start and serve")
-        scaled_out = time.monotonic() - started
-        assert {c["cell"] for c in get_json(f"{url}/cells")["cells"]} == {survivor, 2}
-        load_on.clear()
-        for c in clients:
-            c.join(120)
-        wait_for(lambda: {c["cell"] for c in get_json(f"{url}/cells")["cells"]} == {survivor}, 120,
-                 "the second cell to be drained and removed")
-        wait_for(lambda: "dspark-cell2" not in dspark_apps(), 60, "cell 2's application to go")
-    finally:
-        stop.set()
-        running.join(120)
-    changes = [did for _, did in controller.history]
-    print(f"cells under load: second cell serving {scaled_out:.1f} s after the ramp began; "
-          f"{len(results)} requests, {sum(r[1] != 'done' or not r[2] for r in results)} failed; "
-          f"controller: {changes}")
-    assert [r for r in results if r[1] != "done" or not r[2]] == []
-    assert any(d["lost"] == [rs.cell_app_name(1 - survivor)] for d in changes)
-    assert any("dspark-cell2" in d["added"] for d in changes)
-    assert any("dspark-cell2" in d["draining"] for d in changes)
-    assert any("dspark-cell2" in d["removed"] for d in changes)
+    did = controller.step()
+    survivor, = [c["cell"] for c in get_json(f"{url}/cells")["cells"]]
+    assert did["lost"] == [rs.cell_app_name(1 - survivor)] and did["cells"] == 1
+    ray_cluster.add_worker()  # room for a second cell
+
+    # Load up: 4 clients back to back, 4 in flight > 2 per cell.
+    load_on = threading.Event()
+    load_on.set()
+
+    def client(i: int) -> None:
+        while load_on.is_set():
+            stream(i, 100).run()
+
+    clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    for c in clients:
+        c.start()
+    ramp = time.monotonic()
+    wait_for(lambda: in_flight() >= 3, 120, "the load on the cell")
+    assert controller.step()["added"] == []  # above the target since now
+    now[0] += 1.0
+    wait_for(lambda: in_flight() >= 3, 120, "the load on the cell")
+    stepped: list[dict] = []
+    scaling = threading.Thread(target=lambda: stepped.append(controller.step()), daemon=True)
+    scaling.start()  # returns once the new cell serves
+    wait_for(lambda: "dspark-cell2" in dspark_apps(), 120, "a second cell to be started")
+    load_on.clear()  # the new cell loads faster without the load beside it
+    for c in clients:
+        c.join(120)
+    scaling.join(400)
+    assert stepped and stepped[0]["added"] == ["dspark-cell2"], stepped
+    scaled_out = time.monotonic() - ramp
+    cells = get_json(f"{url}/cells")["cells"]
+    assert {c["cell"] for c in cells} == {survivor, 2}
+    assert {c["node_id"] for c in cells} == {w.node_id for w in ray_cluster.workers}
+
+    # Load down to 2 long streams, one per cell (least loaded first): 1 cell wanted; the newest
+    # of two equally busy cells drains with its stream running.
+    tail = []
+    for i in (0, 1):
+        tail.append(stream(i, LONG))
+        tail[-1].start()
+        wait_for(lambda: tail[-1].tokens or tail[-1].end, 120, "a stream's first tokens")
+    assert {s.cell for s in tail} == {str(survivor), "2"}
+    assert controller.step()["draining"] == []
+    now[0] += 1.0
+    drained = controller.step()
+    assert drained["draining"] == ["dspark-cell2"], drained
+    on_drained, = [s for s in tail if s.cell == "2"]
+    while_draining = not on_drained.end  # the stream was still running when the drain began
+    removed = []
+    for _ in range(600):  # until the drained cell's stream has ended
+        now[0] += 1.0
+        removed = controller.step()["removed"]
+        if removed:
+            break
+        time.sleep(0.5)
+    assert removed == ["dspark-cell2"] and on_drained.end == "done"
+    for s in tail:
+        s.join(300)
+    assert {c["cell"] for c in get_json(f"{url}/cells")["cells"]} == {survivor}
+    wait_for(lambda: "dspark-cell2" not in dspark_apps(), 60, "cell 2's application to go")
+
+    failed = [(s.cell, s.end) for s in results
+              if s.end != "done" or len(s.tokens) != s.body["max_tokens"]
+              or s.tokens != long_references[s.prompt_index][:len(s.tokens)]]
+    print(f"cells under load: the second cell serving {scaled_out:.1f} s after the ramp began; "
+          f"{len(results)} requests, {len(failed)} failed; cell 2 drained with "
+          f"{drained['draining_in_flight'][0]} stream in flight (still running: {while_draining})"
+          f"; {sum(s.cell == '2' for s in results)} requests served by cell 2")
+    assert failed == []
+    assert drained["draining_in_flight"] == [1] and while_draining
 
 
 def test_removing_the_applications_closes_every_cell(two_cells):

@@ -18,7 +18,6 @@ import os
 import socket
 import sys
 import time
-import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -212,4 +211,4 @@ def dspark_apps() -> set[str]:
 
 __all__ = ["ray_cluster", "load_ray_serve_module", "tiny_config", "embedded_greedy", "post",
            "get_json", "streamed_token_ids", "sse_events", "port_open", "wait_for",
-           "dspark_apps", "urllib"]
+           "dspark_apps"]

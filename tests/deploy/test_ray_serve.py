@@ -25,6 +25,7 @@ import http.client
 import json
 import threading
 import time
+import urllib.error
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +37,7 @@ from dspark.serving.grpc_runtime import channel
 from dspark.serving.protos import pb, rpc
 from tests.deploy.ray_support import (
     dspark_apps, embedded_greedy, get_json, load_ray_serve_module, port_open, post, sse_events,
-    streamed_token_ids, tiny_config, urllib, wait_for)
+    streamed_token_ids, tiny_config, wait_for)
 
 MAX_TOKENS = 12
 LONG = 400  # tokens of the streams that a node loss interrupts

@@ -93,6 +93,31 @@ class RunningStack:
             proc.stop(timeout=20)
 
 
+@dataclass
+class RemoteTarget:
+    """An ingress already serving (a Ray Serve cluster) in place of a started stack: REST only;
+    its /metrics are not read (behind the router they come from one cell of several), so the
+    levels carry no verification length."""
+
+    rest_url: str
+    policy: str = "target"
+
+    def __post_init__(self) -> None:
+        self.rest_url = self.rest_url.rstrip("/")
+
+    @property
+    def grpc_target(self) -> str:
+        return ""
+
+    def metrics_text(self) -> str:
+        return ""
+
+    warm_up = RunningStack.warm_up
+
+    def stop(self) -> None:
+        pass
+
+
 def start_stack(models: ModelChoice, policy: str, log_dir: Path,
                 extra_scheduler_args: tuple[str, ...] = (), trace_file: Path | None = None
                 ) -> RunningStack:

@@ -85,6 +85,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="torch threads of the drafter (0: as dspark up splits the cores)")
     parser.add_argument("--extra-scheduler-args", default="", help="space-separated")
     parser.add_argument("--out", default="", help="output folder (default: runs/loadtest-<time>)")
+    parser.add_argument("--target", default="",
+                        help="URL of an ingress already serving (a Ray Serve cluster: "
+                             "deploy/ray_serve.py, the RayService's serve service): no stack is "
+                             "started, the levels run against it with REST users; --policies "
+                             "and the model flags do not apply (it serves what it was deployed "
+                             "with), and its verification length is not read (the router "
+                             "answers /metrics from one cell)")
+    parser.add_argument("--target-label", default="target",
+                        help="the policy column of the target's rows")
+    parser.add_argument("--model-name", default="dspark",
+                        help="the model name the --target serves (its --model-name)")
     parser.add_argument("--trace", action="store_true",
                         help="trace every service to traces/<policy>.jsonl and write the round "
                              "breakdown per level (round_kinds.csv / .md)")
@@ -115,16 +126,20 @@ def run_locust(stack, args: argparse.Namespace, model_name: str, users: int, pre
 def sweep_policy(policy: str, models, args: argparse.Namespace, out: Path
                  ) -> tuple[list[LevelResult], list[dict]]:
     """The policy's levels, and (with --trace) its round breakdown rows per level."""
-    from loadtest.stack import start_stack
+    from loadtest.stack import RemoteTarget, start_stack
 
     safe = policy.replace(":", "-")
-    print(f"loadtest: starting the stack for policy {policy}", file=sys.stderr, flush=True)
     trace_file = out / "traces" / f"{safe}.jsonl" if args.trace else None
-    if trace_file is not None:
-        trace_file.parent.mkdir(parents=True, exist_ok=True)
-        trace_file.unlink(missing_ok=True)
-    stack = start_stack(models, policy, out / "logs" / safe,
-                        tuple(args.extra_scheduler_args.split()), trace_file)
+    if args.target:
+        print(f"loadtest: driving {args.target}", file=sys.stderr, flush=True)
+        stack = RemoteTarget(args.target)
+    else:
+        print(f"loadtest: starting the stack for policy {policy}", file=sys.stderr, flush=True)
+        if trace_file is not None:
+            trace_file.parent.mkdir(parents=True, exist_ok=True)
+            trace_file.unlink(missing_ok=True)
+        stack = start_stack(models, policy, out / "logs" / safe,
+                            tuple(args.extra_scheduler_args.split()), trace_file)
     results, windows = [], []
     try:
         stack.warm_up(models.model_name)
@@ -188,6 +203,13 @@ def choose_models(args: argparse.Namespace, out: Path):
     return dataclasses.replace(models, **asked)
 
 
+def target_models(args: argparse.Namespace):
+    """What the Locust users need to know of a --target: the model name it serves."""
+    from loadtest.stack import ModelChoice
+
+    return ModelChoice("", "", "", args.model_name)
+
+
 def write_outputs(results: list[LevelResult], args: argparse.Namespace, out: Path) -> None:
     from loadtest.plots import plot_frontier, plot_verification_length
 
@@ -228,9 +250,16 @@ def run(args: argparse.Namespace) -> int:
         print("loadtest: --dtype applies to the real models; the --tiny ones are float32",
               file=sys.stderr)
         return 2
+    if args.target:
+        if not args.target.startswith(("http://", "https://")) or args.trace \
+                or args.user_class != "rest":
+            print("loadtest: --target needs an http(s):// URL and REST users, without --trace "
+                  "(the target's services trace where they run)", file=sys.stderr)
+            return 2
+        policies = [args.target_label]
     from dspark.admission import AdmissionPolicy
 
-    for p in policies:
+    for p in policies if not args.target else []:
         try:
             AdmissionPolicy.parse(p)
         except ValueError as e:
@@ -250,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out or REPO_ROOT / "runs" / time.strftime("loadtest-%Y%m%d-%H%M%S"))
     (out / "locust").mkdir(parents=True, exist_ok=True)
-    models = choose_models(args, out)
+    models = choose_models(args, out) if not args.target else target_models(args)
     results, kind_rows = [], []
     try:
         for policy in policies:

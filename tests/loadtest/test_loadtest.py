@@ -194,3 +194,27 @@ def test_sweep_refuses_missing_eval_prompts_before_starting_anything(tmp_path):
                           timeout=60)
     assert done.returncode == 2 and "no_such_set.jsonl" in done.stderr, done.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+def test_sweep_drives_a_running_target_without_starting_a_stack(stack, models, tmp_path):
+    """`--target URL` (a Ray Serve ingress in production; here the tiny stack's REST URL): the
+    levels run against it, labelled --target-label, with no stack of the sweep's own."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "dspark.cli", "loadtest", "--target", stack.rest_url,
+           "--target-label", "cluster", "--model-name", models.model_name, "--users", "2",
+           "--duration-s", "4", "--max-tokens", str(MAX_TOKENS), "--prompt-chars", "200",
+           "--sla", "1", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "starting the stack" not in done.stderr and not (out / "logs").exists()
+    with (out / "frontier.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["policy"], int(r["users"])) for r in rows] == [("cluster", 2)]
+    assert int(rows[0]["responses"]) >= 1 and int(rows[0]["errors"]) == 0
+    assert float(rows[0]["mean_verification_length"]) == 0  # not read from a target
+
+    refused = subprocess.run([*cmd[:4], "--target", "127.0.0.1:1", "--out", str(tmp_path / "x")],
+                             cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "--target needs an http(s):// URL" in refused.stderr

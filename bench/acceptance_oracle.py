@@ -34,7 +34,7 @@ import torch
 
 from dspark.calibration import ece_noise_floor, expected_calibration_error, roc_auc
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig, RoundRecord
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig, RoundRecord
 from dspark.paths import EVAL_PROMPTS_DIR
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits
 from dspark.verifier import TargetVerifier
@@ -169,7 +169,8 @@ def main() -> int:
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         sampling = SamplingParams(temperature=temperature)
         engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds({1: 1.0}),
-                        EngineConfig(policy=f"fixed:{gamma}", max_running=args.max_running,
+                        EngineConfig(AdmissionConfig(policy=f"fixed:{gamma}"),
+                                     batching=BatchingConfig(max_running=args.max_running),
                                      update_cost_table=False))
         collector = OracleCollector(drafter, runner, runner.runner.vocab_size, sampling)
         engine.round_observer = collector

@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from closed_loop import drive  # noqa: E402
 from target_decode import chat_prompts  # noqa: E402
 
-from dspark.admission import AdmissionPolicy, survival_probs  # noqa: E402
+from dspark.admission import survival_probs  # noqa: E402
 from dspark.cost_table import CostTable  # noqa: E402
 from dspark.cpu_info import cpu_description  # noqa: E402
-from dspark.engine import Engine, EngineConfig, RoundRecord  # noqa: E402
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig, RoundRecord  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.loading import load_method_drafter, load_target  # noqa: E402
 from dspark.models.drafter_io import DrafterConfig  # noqa: E402
@@ -190,8 +190,8 @@ def main() -> int:
             drafter = load_method_drafter(args.drafter_dir, runner, apply_calibration=True)
             table = table or startup_cost_table(runner)
             engine = Engine(TargetVerifier(runner), drafter, CostTable.from_dict(table.to_dict()),
-                            EngineConfig(policy=AdmissionPolicy.parse(policy),
-                                         max_running=args.users))
+                            EngineConfig(AdmissionConfig(policy=policy),
+                                         batching=BatchingConfig(max_running=args.users)))
             log = RoundLog(engine) if policy == policies[0] else None
             runs[policy].append(run_loop(engine, prompts, stops, args, log))
             del engine, drafter, runner

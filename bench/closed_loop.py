@@ -29,9 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from target_decode import chat_prompts  # noqa: E402
 
-from dspark.admission import AdmissionPolicy  # noqa: E402
 from dspark.cpu_info import cpu_description  # noqa: E402
-from dspark.engine import Engine, EngineConfig  # noqa: E402
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.runner import RunnerConfig, TargetRunner  # noqa: E402
 from dspark.models.transformer import AttentionImpl  # noqa: E402
@@ -133,8 +132,8 @@ def run_loop(runner: TargetRunner, prompts: list[list[int]], stops: list[int], a
 
     runner.forward = timed_forward
     engine = Engine(TargetVerifier(runner), None, startup_cost_table(runner),
-                    EngineConfig(policy=AdmissionPolicy.parse("none"), max_running=args.users,
-                                 prefill_chunk_tokens=args.prefill_chunk_tokens))
+                    EngineConfig(AdmissionConfig(policy="none"), batching=BatchingConfig(
+                        max_running=args.users, prefill_chunk_tokens=args.prefill_chunk_tokens)))
     window = drive(engine, prompts, stops, args.users, args.max_tokens, args.warmup_s,
                    args.seconds, count_passes)
     result.tokens, result.seconds, result.finished = window.tokens, window.seconds, window.finished
@@ -151,7 +150,7 @@ def main() -> int:
     parser.add_argument("--attention", default="paged,per_request",
                         help="comma-separated AttentionImpl values, alternated")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=EngineConfig.prefill_chunk_tokens)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=BatchingConfig.prefill_chunk_tokens)
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--repeats", type=int, default=2)

@@ -31,7 +31,7 @@ import torch
 from acceptance_oracle import REPO, CapturingDrafter, CapturingRunner
 from dspark.calibration import roc_auc
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig, RoundRecord
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig, RoundRecord
 from dspark.paths import EVAL_PROMPTS_DIR
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits
 from dspark.verifier import TargetVerifier
@@ -80,7 +80,8 @@ def collect(engine_parts, prompts, temperature: float, max_tokens: int, stops) -
             start += n + 1
 
     engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds({1: 1.0}),
-                    EngineConfig(policy=f"fixed:{drafter.gamma}", max_running=8, update_cost_table=False))
+                    EngineConfig(AdmissionConfig(policy=f"fixed:{drafter.gamma}"),
+                                 batching=BatchingConfig(max_running=8), update_cost_table=False))
     engine.round_observer = observe
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(temperature=temperature, seed=i), max_tokens, stops)

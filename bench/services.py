@@ -74,7 +74,7 @@ def summarize(starts: list[float], firsts: list[float], ends: list[float], count
 
 def run_embedded(args, models, prompts: list[list[int]], table_path: Path) -> tuple[dict, list]:
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
     from dspark.loading import load_method_drafter, load_target
     from dspark.models.drafter_config import DrafterConfig
     from dspark.sampling import SamplingParams
@@ -85,7 +85,8 @@ def run_embedded(args, models, prompts: list[list[int]], table_path: Path) -> tu
     drafter = load_method_drafter(models["drafter"], runner, apply_calibration=True) \
         if models["drafter"] else None
     engine = Engine(TargetVerifier(runner), drafter, CostTable.load(table_path),
-                    EngineConfig(policy=args.policy, max_running=args.max_running))
+                    EngineConfig(AdmissionConfig(policy=args.policy),
+                                 batching=BatchingConfig(max_running=args.max_running)))
     t0 = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(temperature=0), args.new_tokens) for p in prompts]
     first, end, tokens = {}, {}, {i: [] for i in ids}

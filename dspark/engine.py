@@ -26,15 +26,17 @@ With no drafter (or policy `none`) every round is an ordinary decoding step, sti
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
+from dspark.batching import BatchingConfig
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
 from dspark.held_features import HeldFeatures
@@ -47,47 +49,24 @@ from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRe
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the embedded engine runs."""
+    """How the embedded engine runs: its parts' own configs, and what only the engine decides.
 
-    policy: AdmissionPolicy = field(default_factory=lambda: AdmissionPolicy.parse("async_topk"))
-    """Admission policy (DESIGN.md section 6); `none` = target only."""
-    max_running: int = 16
-    """Requests verified together in one round; the rest wait."""
+    Each part's fields (and their defaults) are written once, in the part's config; nothing here
+    repeats them (tests/test_engine_config.py holds that). `with_values` sets fields by their
+    names wherever they live, for flags and tests that name them flat."""
+
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """The admission policy and its parameters (objective, lag, min_gain, ...)."""
+    gate: DraftingGateConfig = field(default_factory=DraftingGateConfig)
+    """async_topk: whether a round drafts at all (probes, their back-off, plain checks)."""
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    """Which requests run together: slots, chunked prefill, the KV cache reservation."""
     sparse_top_k: int | None = None
     """Ship draft distributions as top-k (indices, probs); None = dense. The drafter samples from
     exactly this truncation, so verification stays lossless."""
     update_cost_table: bool = True
     """Refresh SPS(B) from measured verification step times, and the drafting time per round
     from measured drafting, while serving."""
-    probe_interval: int = 8
-    """`async_topk`: a round whose K (decided two rounds earlier) is 0 verifies no drafts, so it
-    skips drafting; but at least every `probe_interval` rounds the drafter drafts anyway, so that
-    fresh confidences can raise K again. 0 = always draft. When drafter and verifier share one
-    device, drafting costs the round time; this keeps a weak drafter from slowing decoding."""
-    max_probe_interval: int = 64
-    """A probe that again leads to K = 0 doubles the interval, up to this many rounds; a round
-    that verifies drafts, or at most half as many requests in the engine as at any such probe
-    since (a much lighter load, down to an empty engine), brings it back to `probe_interval`;
-    a request joining, or one finishing before the next arrives, does not. Under load that no
-    draft can pay for, probes then cost a few tenths of a percent instead of a few percent (a
-    probe drafts for every running request). = probe_interval: no backoff."""
-
-    prefill_chunk_tokens: int = 256
-    """Chunked prefill: joining requests' prompts are read in the same target forward as the
-    running requests' verification, at most this many prompt tokens a round, oldest joiner
-    first (a long prompt takes several rounds). A prompt's last chunk samples the request's
-    first token; it is drafted and verified from the next round on. Running requests then never
-    stop for a prefill forward of its own, nor wait longer than one chunk. 0 = whole prompts,
-    in a forward of their own before the round (and the joiners decode in that same step)."""
-    probe_requests: int = 4
-    """A probe (a drafting round whose K is known to be 0, so it verifies nothing) drafts at most
-    this many of the running requests (never chosen by their tokens): those the last probe drafted
-    that still run, then the newest joiners; the admission fills in the others with its running
-    means. Under a load where no draft pays, a probe then costs the drafting of a few requests,
-    not of the whole batch, and each probe's requests bring little context the drafter has not
-    seen (the same requests since the last probe, or a prompt just read); the context of requests
-    that are never drafted is never projected (or, with a remote drafter, never sent). 0 = every
-    probe drafts every request."""
     hold_features: bool = True
     """async_topk, once a probe found nothing to verify (until a round verifies drafts again): in
     rounds that do not draft a request (skipping, or a probe's other requests), its target
@@ -95,57 +74,47 @@ class EngineConfig:
     drafts it (`take_features`). With a remote verifier they then cross the wire only for
     requests that are drafted. The drafter sees the same context in the same order either way."""
 
-    plain_check_interval: int = 16
-    """async_topk: after this many rounds in a row that verified drafts, one round drafts
-    nothing (a plain check), when the decision was close (below `plain_check_gain`) and no
-    prompt chunk rides in the round, so that the cost table measures the round without drafts
-    now. While every round drafts, nothing else measures the option not taken, and the cost
-    table extrapolates it (bf16: 126-141 ms estimated at 16 requests where such rounds
-    took about 120). Decided by round counts and old decisions only, so the output stays
-    exact. 0 = never."""
-    plain_check_gain: float = 1.3
-    """A plain check only while the planned K's expected gain over no drafts is below this:
-    at one user, where drafts clearly pay, no round gives them up."""
-
-    min_gain: float = 1.05
-    """async_topk: verify drafts only when their expected Theta is at least this many times
-    Theta without drafts (`AdmissionConfig.min_gain`); 1.0 = the plain argmax."""
-
-    objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
-    """What admission maximises. SHARED_DEVICE (default): drafting and verification take turns
-    on the same device, and a round whose K is 0 skips drafting, so a draft is verified only
-    when it pays for its share of the drafting as well; the drafting time per round is measured
-    (`CostTable.observe_draft`). PAPER: drafting is overlapped with verification (cohorts)."""
-
-    kv_cache_tokens: int = 0
-    """Verifier KV cache this engine may fill, in tokens; 0 = not checked. A waiting request
-    joins only while the worst case of every joined request fits: prompt + max_tokens + gamma + 1
-    tokens (the anchor and a full draft block are written before the rejected drafts are cut),
-    rounded up to whole `kv_block_size` blocks. Beyond that it waits in the queue instead of
-    running into a KVCacheFull that fails the round for everyone (vLLM's scheduler also admits
-    against free blocks; it preempts where this reserves)."""
-    kv_block_size: int = 1
-    """The verifier's KV cache block size, in tokens."""
-
     def __post_init__(self) -> None:
-        if self.kv_cache_tokens < 0 or self.kv_block_size < 1:
-            raise ValueError("kv_cache_tokens must be >= 0 and kv_block_size >= 1")
-        if isinstance(self.policy, str):
-            object.__setattr__(self, "policy", AdmissionPolicy.parse(self.policy))
-        if not isinstance(self.objective, ThetaObjective):
-            object.__setattr__(self, "objective", ThetaObjective(self.objective))
-        if self.max_running < 1:
-            raise ValueError("max_running must be >= 1")
-        if self.prefill_chunk_tokens < 0:
-            raise ValueError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
-        self.drafting_gate_config()  # validates the probe and plain-check fields
+        for name, kind in self.parts().items():
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"EngineConfig.{name} must be a {kind.__name__}, got "
+                                f"{type(getattr(self, name)).__name__}")
 
-    def drafting_gate_config(self) -> DraftingGateConfig:
-        """The drafting gate's rules (probes, their back-off, plain checks) from these fields."""
-        return DraftingGateConfig(
-            probe_interval=self.probe_interval, max_probe_interval=self.max_probe_interval,
-            probe_requests=self.probe_requests, plain_check_interval=self.plain_check_interval,
-            plain_check_gain=self.plain_check_gain)
+    @classmethod
+    def parts(cls) -> dict[str, type]:
+        """The composed configs: field name -> config class."""
+        return {"admission": AdmissionConfig, "gate": DraftingGateConfig,
+                "batching": BatchingConfig}
+
+    @classmethod
+    def field_path(cls, name: str) -> tuple[str, ...]:
+        """Where the field `name` lives: (name,) for the engine's own, (part, name) for a part's."""
+        if name in {f.name for f in dataclasses.fields(cls)} and name not in cls.parts():
+            return (name,)
+        for part, kind in cls.parts().items():
+            if name in {f.name for f in dataclasses.fields(kind)}:
+                return (part, name)
+        raise TypeError(f"EngineConfig has no field {name!r} (nor has any of its parts)")
+
+    def value(self, name: str) -> Any:
+        """The value of field `name`, wherever it lives (`field_path`)."""
+        value = self
+        for attr in self.field_path(name):
+            value = getattr(value, attr)
+        return value
+
+    def with_values(self, **values: Any) -> "EngineConfig":
+        """A copy with fields set by name, wherever they live (`field_path`)."""
+        own, parts = {}, {}
+        for name, v in values.items():
+            path = self.field_path(name)
+            if len(path) == 1:
+                own[name] = v
+            else:
+                parts.setdefault(path[0], {})[name] = v
+        for part, changes in parts.items():
+            own[part] = dataclasses.replace(getattr(self, part), **changes)
+        return dataclasses.replace(self, **own)
 
 
 @dataclass
@@ -260,17 +229,18 @@ class Engine:
         self.drafter = drafter
         self.cost_table = cost_table
         self.config = config
-        policy = config.policy if drafter is not None else AdmissionPolicy(PolicyKind.NONE)
-        self.speculative = policy.kind is not PolicyKind.NONE
-        self.admitter = Admitter(AdmissionConfig(policy=policy, objective=config.objective,
-                                                 min_gain=config.min_gain), cost_table)
+        admission = config.admission
+        if drafter is None:
+            admission = dataclasses.replace(admission, policy=AdmissionPolicy(PolicyKind.NONE))
+        self.speculative = admission.policy.kind is not PolicyKind.NONE
+        self.admitter = Admitter(admission, cost_table)
         self.waiting: list[Request] = []
         self.prefilling: list[Request] = []
         """Joined (they hold a slot) but their prompts are not all read yet (chunked prefill)."""
         self.running: list[Request] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self.drafting_gate = DraftingGate(config.drafting_gate_config())
+        self.drafting_gate = DraftingGate(config.gate)
         """Decides whether each round drafts (probes, skips, plain checks); see drafting_gate.py."""
         self._held = HeldFeatures(self.speculative and config.hold_features)
         """Requests whose features the verifier holds for the drafter; see held_features.py."""
@@ -313,7 +283,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         try:
-            if self.config.prefill_chunk_tokens == 0:
+            if self.config.batching.prefill_chunk_tokens == 0:
                 outputs += self._admit_waiting()
                 if self.running:
                     outputs += self._round([])
@@ -334,15 +304,15 @@ class Engine:
         if self._joins_paused and (self.running or self.prefilling):
             return
         self._joins_paused = False
-        free = self.config.max_running - len(self.running) - len(self.prefilling)
+        free = self.config.batching.max_running - len(self.running) - len(self.prefilling)
         joining = self.waiting[:max(0, free)]
-        if self.config.kv_cache_tokens:
+        if self.config.batching.kv_cache_tokens:
             reserved = sum(self._kv_tokens_reserved(r) for r in [*self.running, *self.prefilling])
             fitting = 0
             for r in joining:
                 need = self._kv_tokens_reserved(r)
                 alone = not (self.running or self.prefilling or fitting)
-                if reserved + need > self.config.kv_cache_tokens and not alone:
+                if reserved + need > self.config.batching.kv_cache_tokens and not alone:
                     break  # first come, first served: later ones do not overtake it
                 reserved += need
                 fitting += 1
@@ -371,14 +341,14 @@ class Engine:
 
     def _kv_tokens_reserved(self, r: Request) -> int:
         gamma = self.drafter.gamma if self.speculative else 0
-        block = self.config.kv_block_size
+        block = self.config.batching.kv_block_size
         return -(-(len(r.prompt_ids) + r.max_tokens + gamma + 1) // block) * block
 
     def _plan_chunks(self, budget: int | None = None, requests: Sequence[Request] | None = None
                      ) -> list[tuple[Request, PrefillChunk]]:
         """This round's prompt pieces, the oldest joiners first: up to `budget` prompt tokens
         (None: prefill_chunk_tokens) of `requests` (None: every joiner)."""
-        budget = self.config.prefill_chunk_tokens if budget is None else budget
+        budget = self.config.batching.prefill_chunk_tokens if budget is None else budget
         planned = []
         for r in self.prefilling if requests is None else requests:
             if budget == 0:

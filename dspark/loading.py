@@ -25,7 +25,7 @@ from dspark.admission import AdmissionPolicy
 from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
 from dspark.cost_table import CostTable
 from dspark.cpu_info import cpu_description
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import AnyDrafter, load_drafter
 from dspark.models.packed_linear import packing_available
@@ -155,5 +155,6 @@ def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: 
             Path(cost_table_path).parent.mkdir(parents=True, exist_ok=True)
             table.save(cost_table_path)
     engine = Engine(TargetVerifier(runner, VerificationRule(verification)), drafter, table,
-                    EngineConfig(policy=parsed, max_running=max_running, sparse_top_k=sparse_top_k))
+                    EngineConfig(AdmissionConfig(policy=parsed), batching=BatchingConfig(max_running=max_running),
+                                 sparse_top_k=sparse_top_k))
     return engine, tokenizer

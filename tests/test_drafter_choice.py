@@ -81,6 +81,6 @@ def test_build_engine(tmp_path, policy, speculative):
     engine, tokenizer = build_engine(tiny.target_dir, tiny.drafter_dir, policy, "float32",
                                      tiny.cost_table, max_running=2)
     assert (engine.drafter is not None) is speculative
-    assert str(engine.config.policy) == policy
+    assert str(engine.config.admission.policy) == policy
     done = engine.generate([tokenizer("t5 t6 t7")["input_ids"]], SamplingParams(temperature=0), 6)
     assert len(done[0].output_ids) == 6

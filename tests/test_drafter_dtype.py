@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.cpu_info import cpu_description
 from dspark.loading import drafter_dtype, load_method_drafter, load_target
 from dspark.models.packed_linear import bf16_packing_supported
@@ -24,7 +24,8 @@ def bf16_drafter_engine(tiny_models, policy: str) -> Engine:
                                   dtype=torch.bfloat16)
     assert drafter.fc.weight.dtype == torch.bfloat16 and runner.dtype == torch.float32
     return Engine(TargetVerifier(runner), drafter, CostTable.load(tiny_models.cost_table),
-                  EngineConfig(policy=policy, max_running=64, update_cost_table=False))
+                  EngineConfig(AdmissionConfig(policy=policy), batching=BatchingConfig(max_running=64),
+                               update_cost_table=False))
 
 
 def test_drafter_dtype_follows_the_cpu_under_a_float32_target(tiny_models):

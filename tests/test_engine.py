@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.cost_table import CostTable, ThetaObjective
+from dspark.drafting_gate import DraftingGateConfig
 from dspark.engine import Engine, EngineConfig
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.rejection import VerificationRule
@@ -32,9 +33,9 @@ def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int
     # A smooth cost table: verifying more tokens costs a little more.
     if table is None:
         table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
-    return Engine(TargetVerifier(runner, rule), drafter, table,
-                  EngineConfig(policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
-                               probe_interval=probe_interval, **{"update_cost_table": False, **config}))
+    return Engine(TargetVerifier(runner, rule), drafter, table, EngineConfig().with_values(
+        policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
+        probe_interval=probe_interval, **{"update_cost_table": False, **config}))
 
 
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [40], [8, 8, 8, 8, 8], [33, 21, 7]]
@@ -323,7 +324,7 @@ def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, re
     engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=table(0.0),
                          update_cost_table=True)
     engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=8)
-    assert engine.config.objective is ThetaObjective.SHARED_DEVICE
+    assert engine.config.admission.objective is ThetaObjective.SHARED_DEVICE
     # drafting is measured per request count (here one request a round)
     assert 0.0 < engine.cost_table.draft_time(1) <= engine.stats.draft_seconds
     assert set(engine.cost_table.draft_seconds_by_requests) == {1}
@@ -519,8 +520,9 @@ def test_sampled_joint_distribution_is_the_targets(tiny_target, policy, rule):
 
 def test_engine_config_rejects_a_probe_cap_below_the_interval():
     with pytest.raises(ValueError, match="max_probe_interval"):
-        EngineConfig(probe_interval=8, max_probe_interval=4)
-    assert EngineConfig(probe_interval=0, max_probe_interval=0).max_probe_interval == 0
+        EngineConfig().with_values(probe_interval=8, max_probe_interval=4)
+    assert EngineConfig().with_values(probe_interval=0, max_probe_interval=0).gate == (
+        DraftingGateConfig(probe_interval=0, max_probe_interval=0))
 
 
 @pytest.mark.parametrize("slope", [0.01, 0.002])  # K stays 0 (probes only) / K > 0 at times

@@ -32,7 +32,7 @@ import torch
 from dspark.calibration import (CalibrationReport, STSCalibration, calibration_report,
                                 survival_from_accepted_len)
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig, RoundRecord
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig, RoundRecord
 from dspark.models.draft_types import DraftBlock, DraftRequest, Drafter
 from dspark.sampling import SamplingParams
 from dspark.verifier import TargetVerifier
@@ -265,8 +265,9 @@ def collect_records(verifier: TargetVerifier, drafter: Drafter, prompts: Sequenc
     # The fixed policy never reads the cost table; a flat one satisfies the engine.
     table = CostTable.from_step_seconds({1: 1.0})
     engine = Engine(verifier, drafter if has_confidences else _FilledConfidences(drafter), table,
-                    EngineConfig(policy=f"fixed:{config.verify_len}",
-                                 max_running=config.max_running, update_cost_table=False))
+                    EngineConfig(AdmissionConfig(policy=f"fixed:{config.verify_len}"),
+                                 batching=BatchingConfig(max_running=config.max_running),
+                                 update_cost_table=False))
     collector = RoundCollector()
     engine.round_observer = collector
     for i, p in enumerate(prompts):

@@ -110,9 +110,9 @@ class RowSpec:
     """`dspark.methods.METHODS` key naming the drafter's checkpoint folder."""
     policy: str = "none"
     """Admission policy of engine rows."""
-    objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
-    """What engine rows' admission maximises (EngineConfig.objective; only async_topk and
-    sync_greedy read it)."""
+    objective: ThetaObjective | None = None
+    """What engine rows' admission maximises (AdmissionConfig.objective; None: its default, the
+    one served; only async_topk and sync_greedy read it)."""
     drafter_dtype: str | None = None
     """The drafter's dtype; None: `dspark.loading.drafter_dtype`'s choice, as served."""
     verification: str | None = None
@@ -369,7 +369,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     from transformers import AutoTokenizer
 
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
     from dspark.evaluation.eval_cli import default_checkpoints, read_eval_prompts
     from dspark.loading import is_checkpoint, load_calibration, load_method_drafter, load_target
     from dspark.step_timing import startup_cost_table
@@ -467,12 +467,14 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
         rule = VerificationRule(spec.verification or args.verification)
         if rule is VerificationRule.BLOCK and spec.method is not None:
             notes[name] += ", block verification"
+        objective = {} if spec.objective is None else {"objective": spec.objective}
         for c in concurrencies:
             verifier = TimedVerifier(TargetVerifier(runner, rule))
             timed_drafter = TimedDrafter(drafter) if drafter is not None else None
             engine = Engine(verifier, timed_drafter, CostTable.from_dict(table.to_dict()),
-                            EngineConfig(policy=policy, max_running=c,
-                                         sparse_top_k=args.sparse_top_k, objective=spec.objective))
+                            EngineConfig(AdmissionConfig(policy=policy, **objective),
+                                         batching=BatchingConfig(max_running=c),
+                                         sparse_top_k=args.sparse_top_k))
             engines[(name, c)] = EngineRow(engine, verifier, timed_drafter)
 
     hf_model = None

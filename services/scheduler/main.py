@@ -96,7 +96,7 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
         kv_cache_tokens=verifier.kv_cache_tokens // config.cohorts,
         kv_block_size=verifier.kv_block_size)
     drafter = None
-    if config.drafter and engine_config.policy.kind is not PolicyKind.NONE:
+    if config.drafter and engine_config.admission.policy.kind is not PolicyKind.NONE:
         drafter = RemoteDrafter(config.drafter, config.draft_timeout_seconds,
                                 config.drafter_retry_seconds, config.verifier_wait_seconds,
                                 on_state_change=drafter_state, internal_token=token)

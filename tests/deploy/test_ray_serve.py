@@ -54,7 +54,7 @@ def load_ray_serve_module():
 def embedded_greedy(models, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """The embedded engine (same target, drafter, policy and cost table) under greedy."""
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import AdmissionConfig, Engine, EngineConfig
     from dspark.loading import load_method_drafter, load_target
     from dspark.sampling import SamplingParams
     from dspark.verifier import TargetVerifier
@@ -62,7 +62,7 @@ def embedded_greedy(models, prompt_ids: list[int], max_tokens: int) -> list[int]
     runner = load_target(models.target_dir, LAYER_IDS, kv_cache_tokens=4096)
     drafter = load_method_drafter(models.drafter_dir, runner, apply_calibration=True)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.load(models.cost_table),
-                    EngineConfig(policy="async_topk", update_cost_table=False))
+                    EngineConfig(AdmissionConfig(policy="async_topk"), update_cost_table=False))
     return engine.generate([prompt_ids], SamplingParams(temperature=0), max_tokens)[0].output_ids
 
 

@@ -43,11 +43,12 @@ from target_decode import chat_prompts  # noqa: E402
 from dspark.admission import survival_probs  # noqa: E402
 from dspark.cost_table import CostTable  # noqa: E402
 from dspark.cpu_info import cpu_description  # noqa: E402
-from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig, RoundRecord  # noqa: E402
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.loading import load_method_drafter, load_target  # noqa: E402
 from dspark.models.drafter_io import DrafterConfig  # noqa: E402
 from dspark.paths import EVAL_PROMPTS_DIR, REPO_ROOT  # noqa: E402
+from dspark.step_result import RoundRecord, StepResult  # noqa: E402
 from dspark.step_timing import startup_cost_table  # noqa: E402
 from dspark.stop_tokens import stop_token_ids  # noqa: E402
 from dspark.verifier import TargetVerifier  # noqa: E402
@@ -100,10 +101,10 @@ class RoundLog:
             return out
 
         engine.verifier.verify = logged_verify
-        engine.round_observer = self.observe
 
-    def observe(self, record: RoundRecord) -> None:
-        if self.current is None or record.num_accepted is None:
+    def observe(self, record: RoundRecord | None) -> None:
+        """The round's drafted requests (`RoundStats.drafted`), if it drafted."""
+        if self.current is None or record is None or record.num_accepted is None:
             return
         if len(record.request_ids) != self.current.requests:
             return  # a probe: its sample's drafts were not verified
@@ -123,7 +124,9 @@ def run_loop(engine: Engine, prompts: list[list[int]], stops: list[int], args,
              log: RoundLog | None) -> LoopResult:
     result = LoopResult()
 
-    def keep_round(step_seconds: float, counted: bool) -> None:
+    def keep_round(step_seconds: float, counted: bool, step: StepResult) -> None:
+        if log is not None:
+            log.observe(step.stats.drafted)
         done = log.take() if log is not None else None
         if counted and done is not None:
             done.measured_ms = 1000 * step_seconds

@@ -30,7 +30,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +44,8 @@ from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.models.kv_cache import KVCacheFull
 from dspark.sampling import SamplingParams
+from dspark.step_result import (EngineStats, RoundRecord, RoundStats, StepOutput,  # noqa: F401
+                                StepResult)
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
 
 
@@ -168,58 +170,6 @@ class Request:
         return self.prompt_ids + self.output_ids[:-1] if self.recomputing else self.prompt_ids
 
 
-@dataclass
-class StepOutput:
-    """What one request got in one round."""
-
-    request_id: Hashable
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: TokenLogprobs | None = None
-    """The new tokens' log-probabilities (one row each) when the request asked."""
-    error: str | None = None
-    """finish_reason "error": why (the KV cache cannot hold the request even alone)."""
-
-
-@dataclass
-class EngineStats:
-    rounds: int = 0
-    verify_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    admission_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    verify_call_seconds: float = 0.0
-    """Verifier calls' wall time beyond the forward they report (step_seconds): sampling and
-    commits, and with a remote verifier the (de)serialising and transfers too."""
-    batch_tokens: list[int] = field(default_factory=list)
-    capacity: list[int] = field(default_factory=list)
-    skipped_draft_rounds: int = 0
-    """async_topk rounds that did not draft because their K was known to be 0."""
-    sampled_probe_rounds: int = 0
-    """async_topk probes that drafted only a sample of the running requests (probe_requests)."""
-    plain_check_rounds: int = 0
-    """async_topk rounds that drafted nothing although K could be > 0 (plain_check_interval)."""
-    preemptions: int = 0
-    """Requests preempted because the KV cache could not hold a round (see the module doc)."""
-
-
-@dataclass
-class RoundRecord:
-    """What one speculative round did, for an observer (`Engine.round_observer`): evaluation and
-    calibration read acceptance and confidences from it. One entry per drafted request: every
-    running request, or a sampled probe's few (EngineConfig.probe_requests), which verify nothing."""
-
-    request_ids: list[Hashable]
-    confidences: torch.Tensor
-    """[num_requests, positions drafted] float32 c_k exactly as the drafter returned them (the
-    whole block gamma unless the policy admits fewer, see Admitter.positions_to_draft)."""
-    num_admitted: list[int]
-    """[num_requests] l_r: drafts sent to the target."""
-    num_accepted: list[int] | None
-    """[num_requests] drafts accepted (<= l_r); filled in after verification."""
-
-
 class Engine:
     """The embedded DSpark engine: drafter + admission + verifier in one process."""
 
@@ -244,8 +194,8 @@ class Engine:
         """Decides whether each round drafts (probes, skips, plain checks); see drafting_gate.py."""
         self._held = HeldFeatures(self.speculative and config.hold_features)
         """Requests whose features the verifier holds for the drafter; see held_features.py."""
-        self.round_observer: Callable[[RoundRecord], None] | None = None
-        """Called once per speculative round (after verification) with its RoundRecord."""
+        self._step = RoundStats()
+        """The step in progress: its numbers, written by the stages, summed into `stats`."""
         self._joins_paused = False
         """Set by a preemption: nobody joins until a request leaves (or none holds cache)."""
 
@@ -280,14 +230,16 @@ class Engine:
         return bool(self.waiting or self.prefilling or self.running)
 
     # -- the round ---------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepResult:
+        """One step: joins, prompt chunks and one round for every running request."""
         outputs: list[StepOutput] = []
+        self._step = step = RoundStats()
         try:
             if self.config.batching.prefill_chunk_tokens == 0:
                 outputs += self._admit_waiting()
                 if self.running:
                     outputs += self._round([])
-                return outputs
+                return StepResult(outputs, step)
             self._join_waiting()
             chunks = self._plan_chunks()
             if self.running:
@@ -296,7 +248,16 @@ class Engine:
                 outputs += self._prefill_only(chunks)
         except KVCacheFull as full:  # the verifier's cache is as it was before the call
             outputs += self._preempt_newest(full)
-        return outputs
+        finally:
+            self.stats.add(step)
+        return StepResult(outputs, step)
+
+    def request(self, request_id: Hashable) -> Request:
+        """The request in the engine (waiting, reading its prompt or running) with this id."""
+        for r in itertools.chain(self.waiting, self.prefilling, self.running):
+            if r.request_id == request_id:
+                return r
+        raise KeyError(request_id)
 
     def _join_waiting(self) -> None:
         """Waiting requests take the free slots (chunked prefill: their prompts come later), in
@@ -336,7 +297,7 @@ class Engine:
         victim.recomputing = bool(victim.output_ids)
         self.waiting.insert(0, victim)
         self._joins_paused = True
-        self.stats.preemptions += 1
+        self._step.preemptions += 1
         return []
 
     def _kv_tokens_reserved(self, r: Request) -> int:
@@ -367,7 +328,7 @@ class Engine:
         chunks = [self._held.chunk(c, False) for _, c in planned]
         start = time.perf_counter()
         out = self.verifier.verify([], chunks)
-        self.stats.prefill_seconds += time.perf_counter() - start
+        self._step.seconds.prefill += time.perf_counter() - start
         outputs = self._take_chunks(planned, out.prefill, chunks)
         self._retire_finished()
         return outputs
@@ -383,11 +344,12 @@ class Engine:
         for (r, chunk), token, features, as_sent, first_logprobs in zip(
                 planned, result.first_tokens, result.features, sent, logprobs):
             start, end = r.prefilled, r.prefilled + len(chunk.token_ids)
+            self._step.prompt_tokens += end - start
             if as_sent.hold_features:
                 self._held.add(r.request_id)
             elif self.speculative:
-                self.drafter.append_context(r.request_id, features, torch.arange(start, end),
-                                            torch.tensor(list(chunk.token_ids)))
+                self._append_context(r.request_id, features, torch.arange(start, end),
+                                     torch.tensor(list(chunk.token_ids)))
             r.prefilled = end
             if chunk.final:
                 self.prefilling.remove(r)
@@ -417,7 +379,7 @@ class Engine:
         out = self.verifier.prefill([r.request_id for r in joining], [r.prompt_ids for r in joining],
                                     [r.sampling for r in joining], [r.generator for r in joining],
                                     asked if any(k is not None for k in asked) else None)
-        self.stats.prefill_seconds += time.perf_counter() - start
+        self._step.seconds.prefill += time.perf_counter() - start
         outputs += self._take_chunks(planned, out)
         self._retire_finished()
         return outputs
@@ -426,7 +388,10 @@ class Engine:
         """One round: plan (the drafting gate) -> draft -> admit -> verify -> commit."""
         running = list(self.running)
         gamma = self.drafter.gamma if self.speculative else 0
+        step = self._step
+        step.batch_size = len(running)
         plan = self._plan_round(running, gamma, reads_prompt=bool(planned))
+        step.mode = plan.mode
         blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
         draft_start = time.perf_counter()
         drafted_ids: set = set()
@@ -434,6 +399,7 @@ class Engine:
             blocks, lengths, record, steady = self._draft_and_admit(running, gamma,
                                                                     plan.probe_sample)
             drafted_ids = set(record.request_ids)
+            step.drafted = record
         verify_start = time.perf_counter()
         if plan.mode.drafts and steady and self.config.update_cost_table:
             # Drafting as the round pays for it: the drafter's call and the admission after it.
@@ -443,16 +409,18 @@ class Engine:
         hold = self._held.verify_holds([r.request_id for r in running], drafted_ids, holding)
         chunks = [self._held.chunk(chunk, holding) for _, chunk in planned]
 
+        call_start = time.perf_counter()
         result = self.verifier.verify(
             [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator,
                            hold_features=h, logprobs=r.logprobs)
              for r, block, n, h in zip(running, blocks, lengths, hold)],
             chunks)
-        self._record_verify_step(result, time.perf_counter() - verify_start)
-        if self.round_observer is not None and plan.mode.drafts:
-            if record.num_accepted is None:  # every running request: its acceptance is known now
-                record.num_accepted = list(result.num_accepted)
-            self.round_observer(record)
+        self._record_verify_step(result, time.perf_counter() - call_start)
+        step.drafts_admitted = int(lengths.sum())
+        step.drafts_accepted = int(sum(result.num_accepted))
+        if step.drafted is not None and step.drafted.num_accepted is None:
+            # every running request was drafted: its acceptance is known now
+            step.drafted.num_accepted = list(result.num_accepted)
         outputs = self._commit(running, lengths, hold, result, gamma)
         if self.config.update_cost_table and not result.prefill_tokens:
             # The round as it pays for it, less drafting (timed above): with a remote verifier
@@ -478,12 +446,10 @@ class Engine:
             self.admitter.planned_gain(), reads_prompt)
         if plan.mode is RoundMode.PLAIN_CHECK:
             self.admitter.plain_check(len(running), gamma)
-            self.stats.plain_check_rounds += 1
-            self.stats.capacity.append(0)
+            self._step.capacity = 0
         elif plan.mode is RoundMode.SKIP:
             self.admitter.skip(len(running), gamma)
-            self.stats.skipped_draft_rounds += 1
-            self.stats.capacity.append(0)
+            self._step.capacity = 0
         return plan
 
     def _draft_and_admit(self, running: list[Request], gamma: int, sample: list[int] | None
@@ -513,28 +479,35 @@ class Engine:
                                  [int(n) for n in lengths], None)
         else:  # a sampled probe: K is 0, nothing is verified, the blocks only inform K
             self.admitter.probe(confidences, len(running), gamma)
-            self.stats.sampled_probe_rounds += 1
             blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
             record = RoundRecord([r.request_id for r in drafted], confidences,
                                  [0] * len(drafted), [0] * len(drafted))
-        self.stats.draft_seconds += mid - start
-        self.stats.admission_seconds += time.perf_counter() - mid
+        self._step.seconds.draft += mid - start
+        self._step.seconds.admission += time.perf_counter() - mid
+        self._step.drafts_proposed += int(confidences.numel())
         steady = self.drafting_gate.record_draft(
             [r.request_id for r in running] if sample is None else None)
         if self.admitter.capacity_used is not None:
-            self.stats.capacity.append(self.admitter.capacity_used)
+            self._step.capacity = self.admitter.capacity_used
             self.drafting_gate.record_capacity(self.admitter.capacity_used, self._load())
         return blocks, lengths, record, steady
 
-    def _record_verify_step(self, result: VerifyOutput, verify_seconds: float) -> None:
-        """The verification step's times and tokens into the stats."""
-        self.stats.rounds += 1
+    def _record_verify_step(self, result: VerifyOutput, call_seconds: float) -> None:
+        """The verification call's times and tokens into the step's numbers."""
+        seconds = self._step.seconds
         # A forward that also read prompt chunks: its time is split by tokens between the stages.
         prompt_share = result.prefill_tokens / (result.prefill_tokens + result.batch_tokens)
-        self.stats.prefill_seconds += result.step_seconds * prompt_share
-        self.stats.verify_seconds += result.step_seconds * (1.0 - prompt_share)
-        self.stats.verify_call_seconds += max(0.0, verify_seconds - result.step_seconds)
-        self.stats.batch_tokens.append(result.batch_tokens)
+        seconds.prefill += result.step_seconds * prompt_share
+        seconds.verify += result.step_seconds * (1.0 - prompt_share)
+        seconds.verify_call += max(0.0, call_seconds - result.step_seconds)
+        self._step.batch_tokens = result.batch_tokens
+
+    def _append_context(self, request_id: Hashable, features: torch.Tensor,
+                        positions: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Committed tokens' target features [n, d] at `positions` [n] to the drafter."""
+        start = time.perf_counter()
+        self.drafter.append_context(request_id, features, positions, token_ids)
+        self._step.seconds.drafter_context += time.perf_counter() - start
 
     def _commit(self, running: list[Request], lengths: np.ndarray, hold: list[bool],
                 result: VerifyOutput, gamma: int) -> list[StepOutput]:
@@ -550,9 +523,9 @@ class Engine:
                 self._held.add(r.request_id)
             elif self.speculative:
                 first = r.anchor_position
-                self.drafter.append_context(r.request_id, features,
-                                            torch.arange(first, first + 1 + accepted),
-                                            torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
+                self._append_context(r.request_id, features,
+                                     torch.arange(first, first + 1 + accepted),
+                                     torch.tensor([r.output_ids[-1]] + tokens[:accepted]))
             outputs.append(self._emit(r, tokens, token_logprobs))
         return outputs
 
@@ -624,7 +597,12 @@ class Engine:
             self.step()
         return [by_id[rid] for rid in requests]
 
+    def steps(self) -> Iterator[StepResult]:
+        """Step until nothing is left, yielding what each step did."""
+        while self.has_unfinished():
+            yield self.step()
+
     def stream(self) -> Iterator[StepOutput]:
         """Step until nothing is left, yielding every request's new tokens as they come."""
-        while self.has_unfinished():
-            yield from self.step()
+        for result in self.steps():
+            yield from result.outputs

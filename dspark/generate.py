@@ -82,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     stops = stop_token_ids(tokenizer)
-    engine.add_request(prompt_ids, sampling, args.max_tokens, stops)
-    request = engine.waiting[-1]
+    request = engine.request(engine.add_request(prompt_ids, sampling, args.max_tokens, stops))
 
     start = time.perf_counter()
     first_token_at = None

@@ -48,10 +48,10 @@ def test_bf16_drafter_keeps_greedy_output_the_targets(tiny_models):
 
     prompts = [[3, 9, 27, 17], [5, 6], [40], [11, 12, 13, 14, 15, 16, 2]]
     engine = bf16_drafter_engine(tiny_models, f"fixed:{GAMMA}")
-    accepted: list[int] = []
-    engine.round_observer = lambda record: accepted.extend(record.num_accepted)
-    done = engine.generate(prompts, SamplingParams(temperature=0), max_tokens=24)
-    assert sum(accepted) > 0  # bf16 drafts were verified and some accepted
+    done = [engine.request(engine.add_request(p, SamplingParams(temperature=0), 24))
+            for p in prompts]
+    accepted = sum(result.stats.drafts_accepted for result in engine.steps())
+    assert accepted > 0  # bf16 drafts were verified and some accepted
     runner = load_target(tiny_models.target_dir, (), kv_cache_tokens=4096, dtype="float32")
     assert [r.output_ids for r in done] == generate_greedy(runner, prompts, 24)
 

@@ -175,7 +175,7 @@ def test_oracle_drafter_acceptance(tiny_target, wrong):
         assert got == ref
 
 
-def test_observer_rows_add_up_to_the_engine_metrics(tiny_target):
+def test_collected_rows_add_up_to_the_engine_metrics(tiny_target):
     folder, _ = tiny_target
     runner = make_runner(folder)
     drafter = tiny_dspark(0, runner, noisy_confidence=True)
@@ -183,8 +183,10 @@ def test_observer_rows_add_up_to_the_engine_metrics(tiny_target):
                     EngineConfig(AdmissionConfig(policy=f"fixed:{GAMMA}"),
                                  batching=BatchingConfig(max_running=4), update_cost_table=False))
     collector = RoundCollector()
-    engine.round_observer = collector
-    done = engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=7), max_tokens=16)
+    done = [engine.request(engine.add_request(p, SamplingParams(temperature=1.0, seed=7), 16))
+            for p in PROMPTS]
+    for result in engine.steps():
+        collector.add(result)
     records = collector.records(GAMMA, GAMMA)
     assert records.num_rounds == sum(r.metrics.rounds for r in done)
     assert int(records.accepted.sum()) == sum(r.metrics.drafts_accepted for r in done)

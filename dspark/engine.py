@@ -36,13 +36,14 @@ import numpy as np
 import torch
 
 from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
-from dspark.batching import BatchingConfig
-from dspark.cost_table import CostTable, ThetaObjective
+from dspark.batching import Batcher, BatchingConfig
+from dspark.cost_table import CostTable
 from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
 from dspark.held_features import HeldFeatures
 from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.models.kv_cache import KVCacheFull
+from dspark.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics: re-exported)
 from dspark.sampling import SamplingParams
 from dspark.step_result import (EngineStats, RoundRecord, RoundStats, StepOutput,  # noqa: F401
                                 StepResult)
@@ -119,57 +120,6 @@ class EngineConfig:
         return dataclasses.replace(self, **own)
 
 
-@dataclass
-class RequestMetrics:
-    """Speculative-decoding figures of one request."""
-
-    rounds: int = 0
-    drafts_verified: int = 0
-    drafts_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    """[gamma] how often position k was accepted."""
-    verified_per_position: list[int] = field(default_factory=list)
-    """[gamma] how often position k was verified."""
-
-    @property
-    def tau(self) -> float:
-        """Tokens per round (accepted drafts + 1)."""
-        return (self.drafts_accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
-
-@dataclass
-class Request:
-    request_id: Hashable
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    stop_token_ids: frozenset[int]
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    prefilled: int = 0
-    """Prompt tokens the target has read so far (chunked prefill)."""
-    finished: bool = False
-    finish_reason: str | None = None
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    logprobs: int | None = None
-    """Report the target's log-probability of each output token with this many top
-    alternatives (dspark.logprobs); None = none."""
-    recomputing: bool = False
-    """Preempted after it had output: the target re-reads `tokens_to_read` (prompt and output
-    before the anchor) and samples nothing; it runs again from its anchor."""
-
-    @property
-    def anchor_position(self) -> int:
-        """Position of the last produced token (the anchor): the target holds everything before."""
-        return len(self.prompt_ids) + len(self.output_ids) - 1
-
-    @property
-    def tokens_to_read(self) -> list[int]:
-        """What the target reads before the request runs: its prompt, or when recomputing
-        everything before its anchor."""
-        return self.prompt_ids + self.output_ids[:-1] if self.recomputing else self.prompt_ids
-
-
 class Engine:
     """The embedded DSpark engine: drafter + admission + verifier in one process."""
 
@@ -184,10 +134,8 @@ class Engine:
             admission = dataclasses.replace(admission, policy=AdmissionPolicy(PolicyKind.NONE))
         self.speculative = admission.policy.kind is not PolicyKind.NONE
         self.admitter = Admitter(admission, cost_table)
-        self.waiting: list[Request] = []
-        self.prefilling: list[Request] = []
-        """Joined (they hold a slot) but their prompts are not all read yet (chunked prefill)."""
-        self.running: list[Request] = []
+        self.batcher = Batcher(config.batching, drafter.gamma if self.speculative else 0)
+        """The waiting / prefilling / running queues, joins and preemption; see batching.py."""
         self.stats = EngineStats()
         self._ids = itertools.count()
         self.drafting_gate = DraftingGate(config.gate)
@@ -196,8 +144,6 @@ class Engine:
         """Requests whose features the verifier holds for the drafter; see held_features.py."""
         self._step = RoundStats()
         """The step in progress: its numbers, written by the stages, summed into `stats`."""
-        self._joins_paused = False
-        """Set by a preemption: nobody joins until a request leaves (or none holds cache)."""
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
@@ -212,22 +158,31 @@ class Engine:
         if logprobs is not None:
             check_num_top(logprobs)
         rid = next(self._ids) if request_id is None else request_id
-        self.waiting.append(Request(rid, list(prompt_ids), sampling, max_tokens,
-                                    frozenset(stop_token_ids), sampling.generator(),
-                                    logprobs=logprobs))
+        self.batcher.add(Request(rid, list(prompt_ids), sampling, max_tokens,
+                                 frozenset(stop_token_ids), sampling.generator(),
+                                 logprobs=logprobs))
         return rid
 
     def abort(self, request_id: Hashable) -> None:
-        self.waiting = [r for r in self.waiting if r.request_id != request_id]
-        for held in (self.prefilling, self.running):
-            for r in [r for r in held if r.request_id == request_id]:
-                self._release(r)
-                held.remove(r)
-                self._joins_paused = False
-        self.drafting_gate.reset_if_idle(self._load())
+        for r in self.batcher.remove(request_id):
+            self._release(r)
+        self.drafting_gate.reset_if_idle(self.batcher.load)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return self.batcher.has_unfinished()
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.batcher.waiting
+
+    @property
+    def prefilling(self) -> list[Request]:
+        """Joined (they hold a slot) but their prompts are not all read yet (chunked prefill)."""
+        return self.batcher.prefilling
+
+    @property
+    def running(self) -> list[Request]:
+        return self.batcher.running
 
     # -- the round ---------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -240,8 +195,8 @@ class Engine:
                 if self.running:
                     outputs += self._round([])
                 return StepResult(outputs, step)
-            self._join_waiting()
-            chunks = self._plan_chunks()
+            self.batcher.join_waiting()
+            chunks = self.batcher.plan_chunks()
             if self.running:
                 outputs += self._round(chunks)
             elif chunks:
@@ -254,74 +209,20 @@ class Engine:
 
     def request(self, request_id: Hashable) -> Request:
         """The request in the engine (waiting, reading its prompt or running) with this id."""
-        for r in itertools.chain(self.waiting, self.prefilling, self.running):
-            if r.request_id == request_id:
-                return r
-        raise KeyError(request_id)
-
-    def _join_waiting(self) -> None:
-        """Waiting requests take the free slots (chunked prefill: their prompts come later), in
-        arrival order, while their worst-case KV cache fits (EngineConfig.kv_cache_tokens)."""
-        if self._joins_paused and (self.running or self.prefilling):
-            return
-        self._joins_paused = False
-        free = self.config.batching.max_running - len(self.running) - len(self.prefilling)
-        joining = self.waiting[:max(0, free)]
-        if self.config.batching.kv_cache_tokens:
-            reserved = sum(self._kv_tokens_reserved(r) for r in [*self.running, *self.prefilling])
-            fitting = 0
-            for r in joining:
-                need = self._kv_tokens_reserved(r)
-                alone = not (self.running or self.prefilling or fitting)
-                if reserved + need > self.config.batching.kv_cache_tokens and not alone:
-                    break  # first come, first served: later ones do not overtake it
-                reserved += need
-                fitting += 1
-            joining = joining[:fitting]
-        if joining:
-            self.waiting = self.waiting[len(joining):]
-            self.prefilling += joining
+        return self.batcher.find(request_id)
 
     def _preempt_newest(self, full: KVCacheFull) -> list[StepOutput]:
         """The cache could not hold this step: the request that joined last gives its cache up
         and waits first in line (recomputed when it joins again), or, alone, ends with an error."""
-        alone = len(self.running) + len(self.prefilling) == 1
-        victim = (self.prefilling or self.running).pop()
+        victim, alone = self.batcher.preempt_newest()
         self._release(victim)
         if alone:
             victim.finished, victim.finish_reason = True, "error"
-            self.drafting_gate.reset_if_idle(self._load())
+            self.drafting_gate.reset_if_idle(self.batcher.load)
             return [StepOutput(victim.request_id, [], True, "error",
                                error=f"the KV cache cannot hold this request ({full})")]
-        victim.prefilled = 0
-        victim.recomputing = bool(victim.output_ids)
-        self.waiting.insert(0, victim)
-        self._joins_paused = True
         self._step.preemptions += 1
         return []
-
-    def _kv_tokens_reserved(self, r: Request) -> int:
-        gamma = self.drafter.gamma if self.speculative else 0
-        block = self.config.batching.kv_block_size
-        return -(-(len(r.prompt_ids) + r.max_tokens + gamma + 1) // block) * block
-
-    def _plan_chunks(self, budget: int | None = None, requests: Sequence[Request] | None = None
-                     ) -> list[tuple[Request, PrefillChunk]]:
-        """This round's prompt pieces, the oldest joiners first: up to `budget` prompt tokens
-        (None: prefill_chunk_tokens) of `requests` (None: every joiner)."""
-        budget = self.config.batching.prefill_chunk_tokens if budget is None else budget
-        planned = []
-        for r in self.prefilling if requests is None else requests:
-            if budget == 0:
-                break
-            tokens = r.tokens_to_read
-            end = min(len(tokens), r.prefilled + budget)
-            final = end == len(tokens) and not r.recomputing  # a recompute samples nothing
-            planned.append((r, PrefillChunk(r.request_id, tokens[r.prefilled:end], final,
-                                            r.sampling, r.generator, continued=r.prefilled > 0,
-                                            logprobs=r.logprobs)))
-            budget -= end - r.prefilled
-        return planned
 
     def _prefill_only(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
         """A step with nothing to decode: the forward reads prompt chunks only."""
@@ -352,25 +253,24 @@ class Engine:
                                      torch.tensor(list(chunk.token_ids)))
             r.prefilled = end
             if chunk.final:
-                self.prefilling.remove(r)
-                self.running.append(r)
+                self.batcher.start_running(r)
                 outputs.append(self._emit(r, [token], first_logprobs))
             elif r.recomputing and end == len(r.tokens_to_read):
                 r.recomputing = False  # its anchor is its last output token again
-                self.prefilling.remove(r)
-                self.running.append(r)
+                self.batcher.start_running(r)
         return outputs
 
     def _admit_waiting(self) -> list[StepOutput]:
         """Unchunked prefill: the joiners' whole prompts in one prompt-only forward, before the
         round; a joiner runs from its first token on."""
-        self._join_waiting()
+        self.batcher.join_waiting()
         outputs = []
         again = [r for r in self.prefilling if r.recomputing]
         if again:  # preempted requests re-read their tokens without sampling
-            outputs += self._prefill_only(self._plan_chunks(
+            outputs += self._prefill_only(self.batcher.plan_chunks(
                 sum(len(r.tokens_to_read) for r in again), again))
-        planned = self._plan_chunks(budget=sum(len(r.prompt_ids) for r in self.prefilling))
+        planned = self.batcher.plan_chunks(
+            budget=sum(len(r.prompt_ids) for r in self.prefilling))
         if not planned:
             return outputs
         joining = [r for r, _ in planned]
@@ -438,7 +338,7 @@ class Engine:
         """What this round does before verification (the drafting gate decides from the
         admission's old decision, the load and which requests run); a round that drafts nothing
         is recorded with the admission here."""
-        self.drafting_gate.reset_if_load_fell(self._load())
+        self.drafting_gate.reset_if_load_fell(self.batcher.load)
         if not self.speculative:
             return RoundPlan(RoundMode.TARGET_ONLY)
         plan = self.drafting_gate.plan_round(
@@ -489,7 +389,7 @@ class Engine:
             [r.request_id for r in running] if sample is None else None)
         if self.admitter.capacity_used is not None:
             self._step.capacity = self.admitter.capacity_used
-            self.drafting_gate.record_capacity(self.admitter.capacity_used, self._load())
+            self.drafting_gate.record_capacity(self.admitter.capacity_used, self.batcher.load)
         return blocks, lengths, record, steady
 
     def _record_verify_step(self, result: VerifyOutput, call_seconds: float) -> None:
@@ -529,10 +429,6 @@ class Engine:
             outputs.append(self._emit(r, tokens, token_logprobs))
         return outputs
 
-    def _load(self) -> int:
-        """Requests in the engine: waiting, reading their prompts or running."""
-        return len(self.waiting) + len(self.prefilling) + len(self.running)
-
     # -- bookkeeping -------------------------------------------------------------------------
     def _record_metrics(self, r: Request, verified: int, accepted: int, gamma: int) -> None:
         m = r.metrics
@@ -571,11 +467,9 @@ class Engine:
                           logprobs if r.logprobs is not None else None)
 
     def _retire_finished(self) -> None:
-        for r in [r for r in self.running if r.finished]:
+        for r in self.batcher.retire_finished():
             self._release(r)
-            self.running.remove(r)
-            self._joins_paused = False
-        self.drafting_gate.reset_if_idle(self._load())
+        self.drafting_gate.reset_if_idle(self.batcher.load)
 
     def _release(self, r: Request) -> None:
         self._held.forget(r.request_id)

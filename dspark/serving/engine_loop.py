@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from dspark.engine import Engine, Request, RequestMetrics
+from dspark.engine import Engine
 from dspark.logprobs import TokenLogprobs
+from dspark.request import Request, RequestMetrics
 from dspark.sampling import SamplingParams
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStore, RoundUpdate, StoredRequest

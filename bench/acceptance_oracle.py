@@ -34,7 +34,8 @@ import torch
 
 from dspark.calibration import ece_noise_floor, expected_calibration_error, roc_auc
 from dspark.cost_table import CostTable
-from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+from dspark.loading import build_engine
 from dspark.step_result import RoundRecord
 from dspark.paths import EVAL_PROMPTS_DIR
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits
@@ -169,10 +170,11 @@ def main() -> int:
     results = {}
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         sampling = SamplingParams(temperature=temperature)
-        engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds({1: 1.0}),
-                        EngineConfig(AdmissionConfig(policy=f"fixed:{gamma}"),
-                                     batching=BatchingConfig(max_running=args.max_running),
-                                     update_cost_table=False))
+        config = EngineConfig(AdmissionConfig(policy=f"fixed:{gamma}"),
+                              batching=BatchingConfig(max_running=args.max_running),
+                              update_cost_table=False)
+        engine = build_engine(TargetVerifier(runner), drafter,
+                              CostTable.from_step_seconds({1: 1.0}), config)
         collector = OracleCollector(drafter, runner, runner.runner.vocab_size, sampling)
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(temperature=temperature, seed=args.seed + i),

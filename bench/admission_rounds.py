@@ -45,7 +45,7 @@ from dspark.cost_table import CostTable  # noqa: E402
 from dspark.cpu_info import cpu_description  # noqa: E402
 from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
-from dspark.loading import load_method_drafter, load_target  # noqa: E402
+from dspark.loading import build_engine, load_method_drafter, load_target  # noqa: E402
 from dspark.models.drafter_io import DrafterConfig  # noqa: E402
 from dspark.paths import EVAL_PROMPTS_DIR, REPO_ROOT  # noqa: E402
 from dspark.step_result import RoundRecord, StepResult  # noqa: E402
@@ -192,9 +192,10 @@ def main() -> int:
             runner = load_target(model_dir, layer_ids, kv_cache_tokens=kv_tokens, dtype=args.dtype)
             drafter = load_method_drafter(args.drafter_dir, runner, apply_calibration=True)
             table = table or startup_cost_table(runner)
-            engine = Engine(TargetVerifier(runner), drafter, CostTable.from_dict(table.to_dict()),
-                            EngineConfig(AdmissionConfig(policy=policy),
-                                         batching=BatchingConfig(max_running=args.users)))
+            config = EngineConfig(AdmissionConfig(policy=policy),
+                                  batching=BatchingConfig(max_running=args.users))
+            engine = build_engine(TargetVerifier(runner), drafter,
+                                  CostTable.from_dict(table.to_dict()), config)
             log = RoundLog(engine) if policy == policies[0] else None
             runs[policy].append(run_loop(engine, prompts, stops, args, log))
             del engine, drafter, runner

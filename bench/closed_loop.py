@@ -31,6 +31,7 @@ from target_decode import chat_prompts  # noqa: E402
 
 from dspark.cpu_info import cpu_description  # noqa: E402
 from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig  # noqa: E402
+from dspark.loading import build_engine  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.runner import RunnerConfig, TargetRunner  # noqa: E402
 from dspark.models.transformer import AttentionImpl  # noqa: E402
@@ -132,9 +133,9 @@ def run_loop(runner: TargetRunner, prompts: list[list[int]], stops: list[int], a
         step_passes.clear()
 
     runner.forward = timed_forward
-    engine = Engine(TargetVerifier(runner), None, startup_cost_table(runner),
-                    EngineConfig(AdmissionConfig(policy="none"), batching=BatchingConfig(
-                        max_running=args.users, prefill_chunk_tokens=args.prefill_chunk_tokens)))
+    config = EngineConfig(AdmissionConfig(policy="none"), batching=BatchingConfig(
+        max_running=args.users, prefill_chunk_tokens=args.prefill_chunk_tokens))
+    engine = build_engine(TargetVerifier(runner), None, startup_cost_table(runner), config)
     window = drive(engine, prompts, stops, args.users, args.max_tokens, args.warmup_s,
                    args.seconds, count_passes)
     result.tokens, result.seconds, result.finished = window.tokens, window.seconds, window.finished

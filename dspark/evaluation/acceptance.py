@@ -32,7 +32,8 @@ import torch
 from dspark.calibration import (CalibrationReport, STSCalibration, calibration_report,
                                 survival_from_accepted_len)
 from dspark.cost_table import CostTable
-from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+from dspark.loading import build_engine
 from dspark.models.draft_types import DraftBlock, DraftRequest, Drafter
 from dspark.sampling import SamplingParams
 from dspark.step_result import RoundRecord, StepResult
@@ -270,10 +271,11 @@ def collect_records(verifier: TargetVerifier, drafter: Drafter, prompts: Sequenc
         raise ValueError(f"verify_len {config.verify_len} exceeds the drafter's gamma {gamma}")
     # The fixed policy never reads the cost table; a flat one satisfies the engine.
     table = CostTable.from_step_seconds({1: 1.0})
-    engine = Engine(verifier, drafter if has_confidences else _FilledConfidences(drafter), table,
-                    EngineConfig(AdmissionConfig(policy=f"fixed:{config.verify_len}"),
+    engine_config = EngineConfig(AdmissionConfig(policy=f"fixed:{config.verify_len}"),
                                  batching=BatchingConfig(max_running=config.max_running),
-                                 update_cost_table=False))
+                                 update_cost_table=False)
+    engine = build_engine(verifier, drafter if has_confidences else _FilledConfidences(drafter),
+                          table, engine_config)
     collector = RoundCollector()
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(temperature=config.temperature, seed=config.seed + i),

@@ -308,16 +308,16 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     from transformers import AutoTokenizer
 
     from dspark.cost_table import CostTable
-    from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
+    from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
     from dspark.evaluation.eval_cli import default_checkpoints, read_eval_prompts
-    from dspark.loading import is_checkpoint, load_calibration, load_method_drafter, load_target
+    from dspark.loading import (build_engine, is_checkpoint, load_calibration,
+                                load_method_drafter, load_target)
     from dspark.step_timing import startup_cost_table
     from dspark.stop_tokens import stop_token_ids
     from dspark.models.drafter_config import DrafterConfig
     from dspark.models.runner import RunnerConfig, TargetRunner
     from dspark.rejection import VerificationRule
     from dspark.training.data import encode_chat
-    from dspark.verifier import TargetVerifier
 
     model_dir = args.model_dir
     if model_dir is None:
@@ -408,12 +408,11 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
             notes[name] += ", block verification"
         objective = {} if spec.objective is None else {"objective": spec.objective}
         for c in concurrencies:
-            engine = Engine(TargetVerifier(runner, rule), drafter,
-                            CostTable.from_dict(table.to_dict()),
-                            EngineConfig(AdmissionConfig(policy=policy, **objective),
-                                         batching=BatchingConfig(max_running=c),
-                                         sparse_top_k=args.sparse_top_k))
-            engines[(name, c)] = engine
+            engines[(name, c)] = build_engine(
+                runner, drafter, CostTable.from_dict(table.to_dict()),
+                EngineConfig(AdmissionConfig(policy=policy, **objective),
+                             batching=BatchingConfig(max_running=c),
+                             sparse_top_k=args.sparse_top_k), rule)
 
     hf_model = None
     if any(ROWS[n].kind is not RowKind.ENGINE for n in rows):

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 C = TypeVar("C")
 
+SCHEDULER_ENV_PREFIX = "DSPARK_SCHEDULER"
+"""The scheduler's flags read their defaults from DSPARK_SCHEDULER_<FIELD_NAME>."""
+
 
 class TraceExporter(enum.Enum):
     """Where OpenTelemetry spans go."""

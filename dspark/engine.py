@@ -35,15 +35,16 @@ from typing import Any, Hashable, Iterator, Sequence
 import numpy as np
 import torch
 
-from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
+from dspark.admission import AdmissionConfig, Admitter
 from dspark.batching import Batcher, BatchingConfig
 from dspark.cost_table import CostTable
-from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
+from dspark.drafting_gate import DraftingGateConfig, RoundMode, RoundPlan
 from dspark.held_features import HeldFeatures
 from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.models.kv_cache import KVCacheFull
 from dspark.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics: re-exported)
+from dspark.round_policy import make_round_policy
 from dspark.sampling import SamplingParams
 from dspark.step_result import (EngineStats, RoundRecord, RoundStats, StepOutput,  # noqa: F401
                                 StepResult)
@@ -129,18 +130,15 @@ class Engine:
         self.drafter = drafter
         self.cost_table = cost_table
         self.config = config
-        admission = config.admission
-        if drafter is None:
-            admission = dataclasses.replace(admission, policy=AdmissionPolicy(PolicyKind.NONE))
-        self.speculative = admission.policy.kind is not PolicyKind.NONE
-        self.admitter = Admitter(admission, cost_table)
+        self.policy = make_round_policy(config.admission, config.gate, cost_table,
+                                        config.hold_features, drafter is not None)
+        """Plans each round, admits drafts and owns the policy's state; see round_policy.py."""
+        self.speculative = self.policy.speculative
         self.batcher = Batcher(config.batching, drafter.gamma if self.speculative else 0)
         """The waiting / prefilling / running queues, joins and preemption; see batching.py."""
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self.drafting_gate = DraftingGate(config.gate)
-        """Decides whether each round drafts (probes, skips, plain checks); see drafting_gate.py."""
-        self._held = HeldFeatures(self.speculative and config.hold_features)
+        self._held = HeldFeatures()
         """Requests whose features the verifier holds for the drafter; see held_features.py."""
         self._step = RoundStats()
         """The step in progress: its numbers, written by the stages, summed into `stats`."""
@@ -166,10 +164,15 @@ class Engine:
     def abort(self, request_id: Hashable) -> None:
         for r in self.batcher.remove(request_id):
             self._release(r)
-        self.drafting_gate.reset_if_idle(self.batcher.load)
+        self.policy.reset_if_idle(self.batcher.load)
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished()
+
+    @property
+    def admitter(self) -> Admitter:
+        """The policy's admission decisions (dspark.admission)."""
+        return self.policy.admitter
 
     @property
     def waiting(self) -> list[Request]:
@@ -218,7 +221,7 @@ class Engine:
         self._release(victim)
         if alone:
             victim.finished, victim.finish_reason = True, "error"
-            self.drafting_gate.reset_if_idle(self.batcher.load)
+            self.policy.reset_if_idle(self.batcher.load)
             return [StepOutput(victim.request_id, [], True, "error",
                                error=f"the KV cache cannot hold this request ({full})")]
         self._step.preemptions += 1
@@ -304,8 +307,7 @@ class Engine:
         if plan.mode.drafts and steady and self.config.update_cost_table:
             # Drafting as the round pays for it: the drafter's call and the admission after it.
             self.cost_table.observe_draft(verify_start - draft_start, len(running))
-        holding = self._held.round_holds(plan.mode, self.drafting_gate.found_nothing_to_verify,
-                                         len(drafted_ids), len(running))
+        holding = self.policy.holds(plan.mode, len(drafted_ids), len(running))
         hold = self._held.verify_holds([r.request_id for r in running], drafted_ids, holding)
         chunks = [self._held.chunk(chunk, holding) for _, chunk in planned]
 
@@ -335,21 +337,12 @@ class Engine:
         return outputs
 
     def _plan_round(self, running: list[Request], gamma: int, reads_prompt: bool) -> RoundPlan:
-        """What this round does before verification (the drafting gate decides from the
-        admission's old decision, the load and which requests run); a round that drafts nothing
-        is recorded with the admission here."""
-        self.drafting_gate.reset_if_load_fell(self.batcher.load)
-        if not self.speculative:
-            return RoundPlan(RoundMode.TARGET_ONLY)
-        plan = self.drafting_gate.plan_round(
-            [r.request_id for r in running], self.admitter.capacity_known_zero(),
-            self.admitter.planned_gain(), reads_prompt)
-        if plan.mode is RoundMode.PLAIN_CHECK:
-            self.admitter.plain_check(len(running), gamma)
-            self._step.capacity = 0
-        elif plan.mode is RoundMode.SKIP:
-            self.admitter.skip(len(running), gamma)
-            self._step.capacity = 0
+        """What this round does before verification (the policy decides from old rounds, the
+        load and which requests run); a round that drafts nothing records its K (0) here."""
+        plan = self.policy.plan([r.request_id for r in running], gamma, reads_prompt,
+                                self.batcher.load)
+        if plan.mode in (RoundMode.SKIP, RoundMode.PLAIN_CHECK):
+            self._step.capacity = self.policy.capacity_used
         return plan
 
     def _draft_and_admit(self, running: list[Request], gamma: int, sample: list[int] | None
@@ -362,34 +355,32 @@ class Engine:
         drafted = running if sample is None else [running[i] for i in sample]
         start = time.perf_counter()
         self._held.take([r.request_id for r in drafted], self.verifier, self.drafter)
-        num_positions = self.admitter.positions_to_draft(gamma)
+        num_positions = self.policy.positions_to_draft(gamma)
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
                           r.generator) for r in drafted],
             sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
         mid = time.perf_counter()
         confidences = torch.stack([b.confidences for b in drafted_blocks]).float()  # [S, num_positions]
+        # No request verifies more drafts than it may still emit (the bonus is the +1).
+        caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
+                         for r in running])
+        lengths = self.policy.admit(confidences, caps, gamma, len(running), sample)
         if sample is None:
             blocks = drafted_blocks
-            # No request verifies more drafts than it may still emit (the bonus is the +1).
-            caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
-                             for r in running])
-            lengths = self.admitter.admit(confidences, max_lengths=caps, block_size=gamma)
             record = RoundRecord([r.request_id for r in running], confidences,
                                  [int(n) for n in lengths], None)
-        else:  # a sampled probe: K is 0, nothing is verified, the blocks only inform K
-            self.admitter.probe(confidences, len(running), gamma)
-            blocks, lengths = [None] * len(running), np.zeros(len(running), dtype=np.int64)
+        else:  # a sampled probe verifies nothing: the blocks only inform K
+            blocks = [None] * len(running)
             record = RoundRecord([r.request_id for r in drafted], confidences,
                                  [0] * len(drafted), [0] * len(drafted))
         self._step.seconds.draft += mid - start
         self._step.seconds.admission += time.perf_counter() - mid
         self._step.drafts_proposed += int(confidences.numel())
-        steady = self.drafting_gate.record_draft(
-            [r.request_id for r in running] if sample is None else None)
-        if self.admitter.capacity_used is not None:
-            self._step.capacity = self.admitter.capacity_used
-            self.drafting_gate.record_capacity(self.admitter.capacity_used, self.batcher.load)
+        steady = self.policy.observe_draft(
+            [r.request_id for r in running] if sample is None else None, self.batcher.load)
+        if self.policy.capacity_used is not None:
+            self._step.capacity = self.policy.capacity_used
         return blocks, lengths, record, steady
 
     def _record_verify_step(self, result: VerifyOutput, call_seconds: float) -> None:
@@ -469,11 +460,11 @@ class Engine:
     def _retire_finished(self) -> None:
         for r in self.batcher.retire_finished():
             self._release(r)
-        self.drafting_gate.reset_if_idle(self.batcher.load)
+        self.policy.reset_if_idle(self.batcher.load)
 
     def _release(self, r: Request) -> None:
         self._held.forget(r.request_id)
-        self.drafting_gate.forget(r.request_id)
+        self.policy.forget(r.request_id)
         self.verifier.release(r.request_id)
         if self.speculative:
             self.drafter.release(r.request_id)

@@ -205,6 +205,7 @@ class Engine:
             elif chunks:
                 outputs += self._prefill_only(chunks)
         except KVCacheFull as full:  # the verifier's cache is as it was before the call
+            step.drafted = None  # its drafts were never verified
             outputs += self._preempt_newest(full)
         finally:
             self.stats.add(step)

@@ -103,7 +103,8 @@ class RoundStats:
     """Prompt tokens the target read this step (a preempted request's re-read included)."""
     seconds: StageSeconds = field(default_factory=StageSeconds)
     drafted: RoundRecord | None = None
-    """The drafted requests (None: the round drafted nothing)."""
+    """The drafted requests (None: the round drafted nothing, or a preemption undid it before
+    its drafts were verified)."""
 
     @property
     def verified(self) -> bool:

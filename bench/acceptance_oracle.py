@@ -34,7 +34,9 @@ import torch
 
 from dspark.calibration import ece_noise_floor, expected_calibration_error, roc_auc
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig, RoundRecord
+from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+from dspark.loading import build_engine
+from dspark.step_result import RoundRecord
 from dspark.paths import EVAL_PROMPTS_DIR
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits
 from dspark.verifier import TargetVerifier
@@ -168,17 +170,19 @@ def main() -> int:
     results = {}
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         sampling = SamplingParams(temperature=temperature)
-        engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds({1: 1.0}),
-                        EngineConfig(policy=f"fixed:{gamma}", max_running=args.max_running,
-                                     update_cost_table=False))
+        config = EngineConfig(AdmissionConfig(policy=f"fixed:{gamma}"),
+                              batching=BatchingConfig(max_running=args.max_running),
+                              update_cost_table=False)
+        engine = build_engine(TargetVerifier(runner), drafter,
+                              CostTable.from_step_seconds({1: 1.0}), config)
         collector = OracleCollector(drafter, runner, runner.runner.vocab_size, sampling)
-        engine.round_observer = collector
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(temperature=temperature, seed=args.seed + i),
                                args.max_tokens, stop_token_ids(tokenizer))
         start = time.perf_counter()
-        for _ in engine.stream():
-            pass
+        for result in engine.steps():  # the captured forward and drafts are this step's
+            if result.stats.drafted is not None:
+                collector(result.stats.drafted)
         print(f"temperature {temperature:g}: {len(prompts)} prompts, {len(collector.rows)} at-risk "
               f"positions ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
         stats = summarise(np.array(collector.rows, dtype=np.float64), gamma)

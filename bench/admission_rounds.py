@@ -40,14 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from closed_loop import drive  # noqa: E402
 from target_decode import chat_prompts  # noqa: E402
 
-from dspark.admission import AdmissionPolicy, survival_probs  # noqa: E402
+from dspark.admission import survival_probs  # noqa: E402
 from dspark.cost_table import CostTable  # noqa: E402
 from dspark.cpu_info import cpu_description  # noqa: E402
-from dspark.engine import Engine, EngineConfig, RoundRecord  # noqa: E402
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
-from dspark.loading import load_method_drafter, load_target  # noqa: E402
+from dspark.loading import build_engine, load_method_drafter, load_target  # noqa: E402
 from dspark.models.drafter_io import DrafterConfig  # noqa: E402
 from dspark.paths import EVAL_PROMPTS_DIR, REPO_ROOT  # noqa: E402
+from dspark.step_result import RoundRecord, StepResult  # noqa: E402
 from dspark.step_timing import startup_cost_table  # noqa: E402
 from dspark.stop_tokens import stop_token_ids  # noqa: E402
 from dspark.verifier import TargetVerifier  # noqa: E402
@@ -100,10 +101,10 @@ class RoundLog:
             return out
 
         engine.verifier.verify = logged_verify
-        engine.round_observer = self.observe
 
-    def observe(self, record: RoundRecord) -> None:
-        if self.current is None or record.num_accepted is None:
+    def observe(self, record: RoundRecord | None) -> None:
+        """The round's drafted requests (`RoundStats.drafted`), if it drafted."""
+        if self.current is None or record is None or record.num_accepted is None:
             return
         if len(record.request_ids) != self.current.requests:
             return  # a probe: its sample's drafts were not verified
@@ -123,7 +124,9 @@ def run_loop(engine: Engine, prompts: list[list[int]], stops: list[int], args,
              log: RoundLog | None) -> LoopResult:
     result = LoopResult()
 
-    def keep_round(step_seconds: float, counted: bool) -> None:
+    def keep_round(step_seconds: float, counted: bool, step: StepResult) -> None:
+        if log is not None:
+            log.observe(step.stats.drafted)
         done = log.take() if log is not None else None
         if counted and done is not None:
             done.measured_ms = 1000 * step_seconds
@@ -189,9 +192,10 @@ def main() -> int:
             runner = load_target(model_dir, layer_ids, kv_cache_tokens=kv_tokens, dtype=args.dtype)
             drafter = load_method_drafter(args.drafter_dir, runner, apply_calibration=True)
             table = table or startup_cost_table(runner)
-            engine = Engine(TargetVerifier(runner), drafter, CostTable.from_dict(table.to_dict()),
-                            EngineConfig(policy=AdmissionPolicy.parse(policy),
-                                         max_running=args.users))
+            config = EngineConfig(AdmissionConfig(policy=policy),
+                                  batching=BatchingConfig(max_running=args.users))
+            engine = build_engine(TargetVerifier(runner), drafter,
+                                  CostTable.from_dict(table.to_dict()), config)
             log = RoundLog(engine) if policy == policies[0] else None
             runs[policy].append(run_loop(engine, prompts, stops, args, log))
             del engine, drafter, runner

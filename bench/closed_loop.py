@@ -29,14 +29,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from target_decode import chat_prompts  # noqa: E402
 
-from dspark.admission import AdmissionPolicy  # noqa: E402
 from dspark.cpu_info import cpu_description  # noqa: E402
-from dspark.engine import Engine, EngineConfig  # noqa: E402
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig  # noqa: E402
+from dspark.loading import build_engine  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.models.runner import RunnerConfig, TargetRunner  # noqa: E402
 from dspark.models.transformer import AttentionImpl  # noqa: E402
 from dspark.paths import EVAL_PROMPTS_DIR  # noqa: E402
 from dspark.sampling import SamplingParams  # noqa: E402
+from dspark.step_result import StepResult  # noqa: E402
 from dspark.step_timing import startup_cost_table  # noqa: E402
 from dspark.stop_tokens import stop_token_ids  # noqa: E402
 from dspark.verifier import TargetVerifier  # noqa: E402
@@ -76,10 +77,10 @@ class LoopWindow:
 
 def drive(engine: Engine, prompts: list[list[int]], stops: list[int], users: int, max_tokens: int,
           warmup_s: float, seconds: float,
-          on_step: Callable[[float, bool], None] | None = None) -> LoopWindow:
+          on_step: Callable[[float, bool, StepResult], None] | None = None) -> LoopWindow:
     """Keep `users` greedy requests of `max_tokens` running on `engine` (a finished one is
     replaced at once by the next prompt, round-robin), count `seconds` after `warmup_s`.
-    `on_step(step seconds, counted)` is called after every engine step."""
+    `on_step(step seconds, counted, what the step did)` is called after every engine step."""
     window, joined = LoopWindow(), 0
     sampling = SamplingParams(temperature=0)
 
@@ -94,12 +95,12 @@ def drive(engine: Engine, prompts: list[list[int]], stops: list[int], users: int
     counted_from = None
     while True:
         start = time.perf_counter()
-        outputs = engine.step()
+        result = engine.step()
         now = time.perf_counter()
         counting = counted_from is not None
         if on_step is not None:
-            on_step(now - start, counting)
-        for out in outputs:
+            on_step(now - start, counting, result)
+        for out in result.outputs:
             if counting:
                 window.tokens += len(out.new_token_ids)
             if out.finished:  # replaced at once, in the warm-up too: the loop stays at `users`
@@ -125,16 +126,16 @@ def run_loop(runner: TargetRunner, prompts: list[list[int]], stops: list[int], a
         step_passes.append((kind, len(items), time.perf_counter() - start))
         return out
 
-    def count_passes(step_seconds: float, counted: bool) -> None:
+    def count_passes(step_seconds: float, counted: bool, result: StepResult) -> None:
         for kind, rows, seconds in step_passes if counted else ():
             times = result.passes[kind]
             times.count, times.rows, times.seconds = times.count + 1, times.rows + rows, times.seconds + seconds
         step_passes.clear()
 
     runner.forward = timed_forward
-    engine = Engine(TargetVerifier(runner), None, startup_cost_table(runner),
-                    EngineConfig(policy=AdmissionPolicy.parse("none"), max_running=args.users,
-                                 prefill_chunk_tokens=args.prefill_chunk_tokens))
+    config = EngineConfig(AdmissionConfig(policy="none"), batching=BatchingConfig(
+        max_running=args.users, prefill_chunk_tokens=args.prefill_chunk_tokens))
+    engine = build_engine(TargetVerifier(runner), None, startup_cost_table(runner), config)
     window = drive(engine, prompts, stops, args.users, args.max_tokens, args.warmup_s,
                    args.seconds, count_passes)
     result.tokens, result.seconds, result.finished = window.tokens, window.seconds, window.finished
@@ -151,7 +152,7 @@ def main() -> int:
     parser.add_argument("--attention", default="paged,per_request",
                         help="comma-separated AttentionImpl values, alternated")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=EngineConfig.prefill_chunk_tokens)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=BatchingConfig.prefill_chunk_tokens)
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--repeats", type=int, default=2)

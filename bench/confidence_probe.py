@@ -31,7 +31,9 @@ import torch
 from acceptance_oracle import REPO, CapturingDrafter, CapturingRunner
 from dspark.calibration import roc_auc
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig, RoundRecord
+from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+from dspark.loading import build_engine
+from dspark.step_result import RoundRecord
 from dspark.paths import EVAL_PROMPTS_DIR
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits
 from dspark.verifier import TargetVerifier
@@ -79,13 +81,15 @@ def collect(engine_parts, prompts, temperature: float, max_tokens: int, stops) -
                 rows["x"].append(feats[i, k].numpy())
             start += n + 1
 
-    engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds({1: 1.0}),
-                    EngineConfig(policy=f"fixed:{drafter.gamma}", max_running=8, update_cost_table=False))
-    engine.round_observer = observe
+    config = EngineConfig(AdmissionConfig(policy=f"fixed:{drafter.gamma}"),
+                          batching=BatchingConfig(max_running=8), update_cost_table=False)
+    engine = build_engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds({1: 1.0}),
+                          config)
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(temperature=temperature, seed=i), max_tokens, stops)
-    for _ in engine.stream():
-        pass
+    for result in engine.steps():  # the runner's logits and the hook's block are this step's
+        if result.stats.drafted is not None:
+            observe(result.stats.drafted)
     return {name: np.array(v) for name, v in rows.items()}
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dspark.admission import AdmissionConfig, Admitter, survival_probs
-from dspark.cost_table import CostTable
+from dspark.cost_table import CostTable, ThetaObjective
 from dspark.cpu_info import cpu_line
 from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify, verify_reference
 from dspark.sampling import SamplingParams
@@ -83,13 +83,13 @@ def bench_admission(num_requests: int, gamma: int, repeats: int, seed: int) -> l
         pool.append(c)
     rows = []
     for policy in ("none", "fixed:1", f"fixed:{gamma}", "threshold:0.5", "sync_greedy", "async_topk"):
-        admitter = Admitter(AdmissionConfig(policy=policy), table)
+        admitter = Admitter(AdmissionConfig(policy=policy, objective=ThetaObjective.PAPER), table)
         ms = median_ms(lambda i: admitter.admit(pool[i % len(pool)], step_index=i), repeats)
         lengths = admitter.admit(pool[0], step_index=10**6)
         rows.append({"op": f"admit {policy}", "ms": ms, "verified_tokens": int(lengths.sum())})
 
     # async_topk as served: the cost table also learns the last step's time before each decision.
-    admitter = Admitter(AdmissionConfig(policy="async_topk"), table)
+    admitter = Admitter(AdmissionConfig(policy="async_topk", objective=ThetaObjective.PAPER), table)
 
     def served(i: int) -> None:
         table.observe(num_requests, num_requests + 64 * (i % 8), 0.012)

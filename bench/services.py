@@ -74,8 +74,8 @@ def summarize(starts: list[float], firsts: list[float], ends: list[float], count
 
 def run_embedded(args, models, prompts: list[list[int]], table_path: Path) -> tuple[dict, list]:
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
-    from dspark.loading import load_method_drafter, load_target
+    from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+    from dspark.loading import build_engine, load_method_drafter, load_target
     from dspark.models.drafter_config import DrafterConfig
     from dspark.sampling import SamplingParams
     from dspark.verifier import TargetVerifier
@@ -84,8 +84,9 @@ def run_embedded(args, models, prompts: list[list[int]], table_path: Path) -> tu
     runner = load_target(models["target"], layers, kv_cache_tokens=65536, dtype=args.dtype)
     drafter = load_method_drafter(models["drafter"], runner, apply_calibration=True) \
         if models["drafter"] else None
-    engine = Engine(TargetVerifier(runner), drafter, CostTable.load(table_path),
-                    EngineConfig(policy=args.policy, max_running=args.max_running))
+    engine = build_engine(TargetVerifier(runner), drafter, CostTable.load(table_path),
+                          EngineConfig(AdmissionConfig(policy=args.policy),
+                                       batching=BatchingConfig(max_running=args.max_running)))
     t0 = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(temperature=0), args.new_tokens) for p in prompts]
     first, end, tokens = {}, {}, {i: [] for i in ids}

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from dspark.fetch import ensure_model
-from dspark.loading import build_engine
+from dspark.loading import load_engine
 from dspark.stop_tokens import stop_token_ids
 from dspark.sampling import SamplingParams
 
@@ -23,7 +23,7 @@ from dspark.sampling import SamplingParams
 def main() -> None:
     cases = json.loads(sys.argv[1])
     torch.set_num_threads(1)
-    engine, tokenizer = build_engine(ensure_model(), None, "none", "float32", None)
+    engine, tokenizer = load_engine(ensure_model(), None, "none", "float32", None)
     stops = stop_token_ids(tokenizer)
     prompts = []
     for case in cases:

@@ -134,8 +134,13 @@ class AdmissionConfig:
     """Everything an :class:`Admitter` needs besides the cost table."""
 
     policy: AdmissionPolicy = AdmissionPolicy(PolicyKind.ASYNC_TOPK)
-    objective: ThetaObjective = ThetaObjective.PAPER
-    """Theta = tau * SPS(B) (paper) or tau / (T_draft + T_verify(B)) (disaggregated)."""
+    """Admission policy (DESIGN.md section 6); `none` = target only."""
+    objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
+    """What admission maximises. SHARED_DEVICE (default): drafting and verification take turns
+    on the same device, and a round whose K is 0 skips drafting, so a draft is verified only
+    when it pays for its share of the drafting as well; the drafting time per round is measured
+    (`CostTable.observe_draft`). PAPER: Theta = tau * SPS(B), drafting overlapped with
+    verification (cohorts). `sync_greedy` decides after drafting, so it always uses PAPER."""
     lag: int = 2
     """``async_topk``: K for step t comes from step t - lag (>= 1; 2 in the paper's ZOS pipeline)."""
     prior_confidence: float = 0.5
@@ -370,23 +375,14 @@ class AsyncTopKAdmission:
     hand K = 0 from skipped round to skipped round until a probe.
     """
 
-    def __init__(
-        self,
-        cost_table: CostTable,
-        lag: int = 2,
-        objective: ThetaObjective = ThetaObjective.PAPER,
-        prior_confidence: float = 0.5,
-        mean_decay: float = 0.9,
-        min_gain: float = 1.0,
-    ) -> None:
-        if lag < 1:
-            raise ValueError(f"lag must be >= 1, got {lag}")
-        self.min_gain = min_gain
+    def __init__(self, cost_table: CostTable, config: AdmissionConfig = AdmissionConfig()) -> None:
+        self.config = config
         self.cost_table = cost_table
-        self.lag = lag
-        self.objective = objective
-        self.prior_confidence = prior_confidence
-        self.mean_decay = mean_decay
+        self.lag = config.lag
+        self.objective = config.objective
+        self.prior_confidence = config.prior_confidence
+        self.mean_decay = config.mean_decay
+        self.min_gain = config.min_gain
         self._capacity_for_step: dict[int, int] = {}  # step index -> K computed lag steps earlier
         self._gain_for_step: dict[int, float] = {}  # step index -> that decision's gain
         self.mean_confidence = np.zeros(0)
@@ -537,8 +533,7 @@ class Admitter:
         if kind in (PolicyKind.SYNC_GREEDY, PolicyKind.ASYNC_TOPK) and cost_table is None:
             raise ValueError(f"policy {config.policy} needs a cost table")
         self._async = (
-            AsyncTopKAdmission(cost_table, config.lag, config.objective, config.prior_confidence,
-                               config.mean_decay, config.min_gain)
+            AsyncTopKAdmission(cost_table, config)
             if kind is PolicyKind.ASYNC_TOPK
             else None
         )

@@ -30,18 +30,39 @@ from typing import Hashable, Sequence
 
 @dataclass(frozen=True)
 class DraftingGateConfig:
-    """The gate's rules (built by `EngineConfig.drafting_gate_config`, which documents each)."""
+    """The gate's rules: probes, their back-off and plain checks (`EngineConfig.gate`)."""
 
     probe_interval: int = 8
-    """Rounds between probes while K is known to be 0; 0 = always draft."""
+    """A round whose K (decided two rounds earlier) is 0 verifies no drafts, so it skips
+    drafting; but at least every `probe_interval` rounds the drafter drafts anyway, so that
+    fresh confidences can raise K again. 0 = always draft. When drafter and verifier share one
+    device, drafting costs the round time; this keeps a weak drafter from slowing decoding."""
     max_probe_interval: int = 64
-    """The back-off doubles the probe interval up to this many rounds."""
+    """A probe that again leads to K = 0 doubles the interval, up to this many rounds; a round
+    that verifies drafts, or at most half as many requests in the engine as at any such probe
+    since (a much lighter load, down to an empty engine), brings it back to `probe_interval`;
+    a request joining, or one finishing before the next arrives, does not. Under load that no
+    draft can pay for, probes then cost a few tenths of a percent instead of a few percent (a
+    probe drafts for every running request). = probe_interval: no backoff."""
     probe_requests: int = 4
-    """A probe drafts at most this many of the running requests; 0 = all of them."""
+    """A probe (a drafting round whose K is known to be 0, so it verifies nothing) drafts at most
+    this many of the running requests (never chosen by their tokens): those the last probe drafted
+    that still run, then the newest joiners; the admission fills in the others with its running
+    means. Under a load where no draft pays, a probe then costs the drafting of a few requests,
+    not of the whole batch, and each probe's requests bring little context the drafter has not
+    seen (the same requests since the last probe, or a prompt just read); the context of requests
+    that are never drafted is never projected (or, with a remote drafter, never sent). 0 = every
+    probe drafts every request."""
     plain_check_interval: int = 16
-    """Verifying rounds in a row before a plain check; 0 = never."""
+    """After this many rounds in a row that verified drafts, one round drafts nothing (a plain
+    check), when the decision was close (below `plain_check_gain`) and no prompt chunk rides in
+    the round, so that the cost table measures the round without drafts now. While every round
+    drafts, nothing else measures the option not taken, and the cost table extrapolates it
+    (bf16: 126-141 ms estimated at 16 requests where such rounds took about 120). Decided by
+    round counts and old decisions only, so the output stays exact. 0 = never."""
     plain_check_gain: float = 1.3
-    """A plain check only while the planned K's expected gain is below this."""
+    """A plain check only while the planned K's expected gain over no drafts is below this:
+    at one user, where drafts clearly pay, no round gives them up."""
 
     def __post_init__(self) -> None:
         if self.probe_interval < 0:
@@ -131,7 +152,7 @@ class DraftingGate:
 
     def plain_check_due(self, planned_gain: float | None) -> bool:
         """Whether this round, which would draft, gives it up to measure a round without drafts
-        (EngineConfig.plain_check_interval): only round counts and the planned (old) decision's
+        (DraftingGateConfig.plain_check_interval): only round counts and the planned (old) decision's
         gain decide, never this round's drafts."""
         interval = self.config.plain_check_interval
         return (interval > 0 and self.rounds_verifying >= interval and planned_gain is not None

@@ -65,15 +65,15 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from dspark.fetch import dspark_home, ensure_model
-    from dspark.loading import build_engine
+    from dspark.loading import load_engine
 
     model_dir = args.model_dir or ensure_model()
     drafter_dir = drafter_dir_or_shipped(args.drafter)
     if args.drafter is None and drafter_dir is None and policy.drafts:
         log(f"no drafter checkpoint (looked for {DEFAULT_DRAFTER}): decoding with the target only")
     cost_table = args.cost_table or (dspark_home() / f"cost_table_{Path(model_dir).name}_{args.dtype}.json")
-    engine, tokenizer = build_engine(Path(model_dir), drafter_dir, args.policy, args.dtype,
-                                     cost_table, verification=args.verification)
+    engine, tokenizer = load_engine(Path(model_dir), drafter_dir, args.policy, args.dtype,
+                                    cost_table, verification=args.verification)
 
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
@@ -82,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     stops = stop_token_ids(tokenizer)
-    engine.add_request(prompt_ids, sampling, args.max_tokens, stops)
-    request = engine.waiting[-1]
+    request = engine.request(engine.add_request(prompt_ids, sampling, args.max_tokens, stops))
 
     start = time.perf_counter()
     first_token_at = None

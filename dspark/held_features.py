@@ -8,10 +8,11 @@ features (dspark/feature_stash.py, where the pieces and their shapes are) instea
 them, and the engine takes them back just before the drafter next drafts the request. The drafter
 then sees the same context in the same order, only later.
 
-A round *holds* when, once a probe found nothing to verify (and no round has verified drafts
-since), it skips drafting or is a probe: it leaves the features of the requests it does not draft
-with the verifier. A request is *held* from its first held item until its features are taken
-(or it is released).
+A round *holds* when it leaves the features of the requests it does not draft with the verifier;
+the policy decides which rounds do (`AsyncTopKPolicy.holds`, dspark/round_policy.py: once a probe
+found nothing to verify, and no round has verified drafts since, a round that skips drafting or
+is a probe). A request is *held* from its first held item until its features are taken (or it
+is released).
 
 Invariants:
 - a held request's later items are held too, drafted this round or not, so that its context
@@ -28,8 +29,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Hashable, Sequence
 
-from dspark.drafting_gate import RoundMode
-
 if TYPE_CHECKING:
     from dspark.models.draft_types import Drafter
     from dspark.verifier import PrefillChunk, TargetVerifier
@@ -38,9 +37,7 @@ if TYPE_CHECKING:
 class HeldFeatures:
     """The requests whose features the verifier holds, and which items a round holds."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        """Speculative decoding with `EngineConfig.hold_features`: otherwise no round holds."""
+    def __init__(self) -> None:
         self._held: set[Hashable] = set()
 
     def __len__(self) -> int:
@@ -48,16 +45,6 @@ class HeldFeatures:
 
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._held
-
-    def round_holds(self, mode: RoundMode, found_nothing_to_verify: bool, num_drafted: int,
-                    num_running: int) -> bool:
-        """Whether this round leaves the features of the requests it does not draft with the
-        verifier: once a probe found nothing to verify (and no round has verified drafts since),
-        a round that skips drafting, or a probe. While drafts are verified, rounds without
-        drafts come between drafting rounds that draft the whole batch, and holding would only
-        add a call to take the features back; a plain check is such a round."""
-        return (self.enabled and mode is not RoundMode.PLAIN_CHECK
-                and found_nothing_to_verify and num_drafted < num_running)
 
     def verify_holds(self, request_ids: Sequence[Hashable], drafted: set,
                      holding: bool) -> list[bool]:

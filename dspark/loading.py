@@ -1,5 +1,6 @@
 """Build the target runner and a drafter from checkpoint folders, and the embedded engine over
-them (the CLI, the services, the evaluation and the benchmarks all load through here).
+them (the CLI, the services, the evaluation and the benchmarks all load through here, and
+every Engine is put together by `build_engine`).
 
 Glossary
 - checkpoints folder: one subfolder per trained drafter (`dspark-markov`, `dspark-rnn`, `dflash`,
@@ -25,8 +26,9 @@ from dspark.admission import AdmissionPolicy
 from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
 from dspark.cost_table import CostTable
 from dspark.cpu_info import cpu_description
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.models.drafter_config import DrafterConfig
+from dspark.models.draft_types import Drafter
 from dspark.models.drafter_io import AnyDrafter, load_drafter
 from dspark.models.packed_linear import packing_available
 from dspark.models.runner import RunnerConfig, TargetRunner
@@ -129,10 +131,25 @@ def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
     return drafter
 
 
-def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
-                 cost_table_path: Path | None, max_running: int = 16,
-                 sparse_top_k: int | None = None, device: str = "cpu",
-                 verification: str = "token"):
+def build_engine(target: TargetRunner | TargetVerifier, drafter: Drafter | None,
+                 cost_table: CostTable, config: EngineConfig = EngineConfig(),
+                 verification: VerificationRule | str = VerificationRule.TOKEN) -> Engine:
+    """The one place an Engine is put together: the target (a runner, verified by a
+    TargetVerifier under `verification`; or a verifier already made, such as the scheduler's
+    RemoteVerifier), the drafter (dropped under policy `none`, which decodes with the target
+    alone) and the cost table SPS(B) the admission reads (refined in place while serving when
+    `config.update_cost_table`: give each engine its own)."""
+    verifier = (TargetVerifier(target, VerificationRule(verification))
+                if isinstance(target, TargetRunner) else target)
+    if not config.admission.policy.drafts:
+        drafter = None
+    return Engine(verifier, drafter, cost_table, config)
+
+
+def load_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
+                cost_table_path: Path | None, max_running: int = 16,
+                sparse_top_k: int | None = None, device: str = "cpu",
+                verification: str = "token"):
     """The embedded engine over the target in `model_dir` and the drafter in `drafter_dir` (none
     when it is None or the policy is `none`); returns (engine, tokenizer). The cost table SPS(B)
     is read from `cost_table_path` when that file exists, else measured now (and saved there
@@ -154,6 +171,7 @@ def build_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: 
         if cost_table_path is not None:
             Path(cost_table_path).parent.mkdir(parents=True, exist_ok=True)
             table.save(cost_table_path)
-    engine = Engine(TargetVerifier(runner, VerificationRule(verification)), drafter, table,
-                    EngineConfig(policy=parsed, max_running=max_running, sparse_top_k=sparse_top_k))
-    return engine, tokenizer
+    config = EngineConfig(AdmissionConfig(policy=parsed),
+                          batching=BatchingConfig(max_running=max_running),
+                          sparse_top_k=sparse_top_k)
+    return build_engine(runner, drafter, table, config, verification), tokenizer

@@ -156,18 +156,18 @@ class SoakStack:
 def greedy_references(models, max_tokens: int) -> list[list[int]]:
     """Each prompt's greedy output from the embedded engine, alone."""
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
-    from dspark.loading import load_method_drafter, load_target
+    from dspark.engine import AdmissionConfig, EngineConfig
+    from dspark.loading import build_engine, load_method_drafter, load_target
     from dspark.sampling import SamplingParams
     from loadtest.tiny_models import LAYER_IDS
-    from dspark.verifier import TargetVerifier
 
     out = []
     for prompt in PROMPTS:
         runner = load_target(models.target_dir, LAYER_IDS, kv_cache_tokens=4096)
         drafter = load_method_drafter(models.drafter_dir, runner, apply_calibration=True)
-        engine = Engine(TargetVerifier(runner), drafter, CostTable.load(models.cost_table),
-                        EngineConfig(policy="async_topk", update_cost_table=False))
+        engine = build_engine(runner, drafter, CostTable.load(models.cost_table),
+                              EngineConfig(AdmissionConfig(policy="async_topk"),
+                                           update_cost_table=False))
         out.append(engine.generate([prompt], SamplingParams(temperature=0), max_tokens)[0]
                    .output_ids)
     return out

@@ -27,6 +27,13 @@ from dspark.admission import (
 from dspark.cost_table import CostTable, ThetaObjective
 
 
+def async_topk(table: CostTable, **config) -> AsyncTopKAdmission:
+    """async_topk under the paper's objective and the plain argmax (min_gain 1), as these tests
+    pin it; AdmissionConfig's defaults (the engine's) are checked in test_engine.py."""
+    return AsyncTopKAdmission(table, AdmissionConfig(
+        **{"objective": ThetaObjective.PAPER, "min_gain": 1.0, **config}))
+
+
 # ------------------------------------------------------------------------------------- references
 def reference_survival(c: np.ndarray) -> np.ndarray:
     a = np.zeros_like(c, dtype=np.float64)
@@ -259,7 +266,7 @@ def test_async_global_search_climbs_over_a_saw_tooth_where_greedy_stops():
     assert best == pytest.approx((4 + 4 * 0.95) / 1.5)
     assert reference_theta(a, greedy, table) < best - 1.0
     # In steady state (the same confidences every step) the async wrapper reaches the optimum.
-    admitter = AsyncTopKAdmission(table, lag=2)
+    admitter = async_topk(table, lag=2)
     for step in range(4):
         lengths = admitter.admit(c, step)
     assert not admitter.used_prior
@@ -361,12 +368,12 @@ def test_async_capacity_comes_from_two_steps_before():
     levels = [0.9, 0.2, 0.5, 0.85, 0.3, 0.6, 0.1, 0.9]
     history = [rng.uniform(lo, lo + 0.1, size=(num_requests, gamma)) for lo in levels]
     fresh_k_differs = 0
-    first = AsyncTopKAdmission(table, lag=2)
+    first = async_topk(table, lag=2)
     for step, c in enumerate(history):
         lengths = first.admit(c, step)
         # An admitter with the same history up to step t-1 but a different step-t block: step t's
         # confidences must not change step t's K.
-        second = AsyncTopKAdmission(table, lag=2)
+        second = async_topk(table, lag=2)
         for old_step in range(step):
             second.admit(history[old_step], old_step)
         other = rng.uniform(0.0, 1.0, size=c.shape)
@@ -399,7 +406,7 @@ def test_async_capacity_comes_from_two_steps_before():
 def test_async_lag_is_structural(lag):
     table = sawtooth_table()
     high, low = np.full((4, 2), 0.95), np.full((4, 2), 0.05)
-    admitter = AsyncTopKAdmission(table, lag=lag, prior_confidence=0.0)
+    admitter = async_topk(table, lag=lag, prior_confidence=0.0)
     used = []
     for step in range(8):
         admitter.admit(high if step == 0 else low, step)
@@ -417,7 +424,7 @@ def nearly_flat_table() -> CostTable:
 
 def test_async_sees_undrafted_positions_at_their_running_means():
     table = nearly_flat_table()
-    admitter = AsyncTopKAdmission(table, lag=2, prior_confidence=0.5, mean_decay=0.0)
+    admitter = async_topk(table, lag=2, prior_confidence=0.5, mean_decay=0.0)
     full = np.array([[0.9, 0.8, 0.7, 0.6], [0.5, 0.4, 0.9, 0.9]])
     admitter.admit(full, 0)  # the whole block: every position's mean is known
     short = np.array([[0.95, 0.9], [0.3, 0.8]])
@@ -433,7 +440,7 @@ def test_async_sees_undrafted_positions_at_their_running_means():
     lengths = admit_top_k(sorted_candidates(survival_probs(extended)), k)
     assert reference_theta(a, lengths, table) == pytest.approx(brute_force_best(a, table), rel=1e-12)
     # without block_size, K is capped by what was drafted (the old behaviour)
-    plain = AsyncTopKAdmission(table, lag=2, prior_confidence=0.5)
+    plain = async_topk(table, lag=2, prior_confidence=0.5)
     plain.admit(short, 1)
     assert plain.planned_capacity(3) == 4
 
@@ -441,7 +448,7 @@ def test_async_sees_undrafted_positions_at_their_running_means():
 def test_async_undrafted_means_follow_position_one_down():
     """A burst of confident early rounds must not freeze the means of positions that later
     rounds stop drafting: they keep their ratio to position 1 as it falls."""
-    admitter = AsyncTopKAdmission(nearly_flat_table(), lag=2, prior_confidence=0.5, mean_decay=0.5)
+    admitter = async_topk(nearly_flat_table(), lag=2, prior_confidence=0.5, mean_decay=0.5)
     admitter.admit(np.array([[0.8, 0.9, 0.6]]), 0)  # whole block drafted
     for step in range(1, 6):
         admitter.admit(np.array([[0.2]]), step, block_size=3)  # only position 1 from now on
@@ -449,7 +456,7 @@ def test_async_undrafted_means_follow_position_one_down():
     assert m1 == pytest.approx(0.2 + 0.6 * 0.5 ** 5)
     np.testing.assert_allclose(admitter.mean_confidence[1:], [0.9 * m1 / 0.8, 0.6 * m1 / 0.8])
     # ratios above 1 are capped: a mean confidence is a probability
-    capped = AsyncTopKAdmission(nearly_flat_table(), lag=2, mean_decay=0.0)
+    capped = async_topk(nearly_flat_table(), lag=2, mean_decay=0.0)
     capped.admit(np.array([[0.5, 0.9]]), 0)
     capped.admit(np.array([[0.9]]), 1, block_size=2)
     np.testing.assert_allclose(capped.mean_confidence, [0.9, 1.0])
@@ -459,7 +466,7 @@ def test_async_undrafted_means_follow_position_one_down():
 def test_async_skip_hands_on_the_capacity_of_the_running_means(steep):
     table = (CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)}) if steep
              else nearly_flat_table())
-    admitter = AsyncTopKAdmission(table, lag=2, prior_confidence=0.0, mean_decay=0.5)
+    admitter = async_topk(table, lag=2, prior_confidence=0.0, mean_decay=0.5)
     admitter.admit(np.full((2, 3), 0.6), 0)
     admitter.skip(1, num_requests=2, block_size=3)
     means = np.full((2, 3), 0.6)
@@ -478,7 +485,7 @@ def test_async_probe_of_a_sample_fills_in_the_other_requests_with_the_running_me
     is the best over a block whose sampled rows are fresh and whose other rows are the running
     means (after the sample's own update), checked against every length vector."""
     table = CostTable.from_step_seconds({b: 0.01 + 0.004 * b for b in range(1, 41)})
-    admitter = AsyncTopKAdmission(table, lag=2, prior_confidence=0.0, mean_decay=0.5)
+    admitter = async_topk(table, lag=2, prior_confidence=0.0, mean_decay=0.5)
     admitter.admit(np.full((3, 3), 0.2), 0)
     sample = np.array([[0.95]])  # one request, one position drafted
     admitter.probe(sample, 1, num_requests=3, block_size=3)
@@ -497,7 +504,8 @@ def test_async_probe_of_a_sample_fills_in_the_other_requests_with_the_running_me
 
 def test_admitter_async_default_step_numbering_and_gap():
     table = sawtooth_table()
-    admitter = Admitter(AdmissionConfig(policy="async_topk", prior_confidence=0.0), table)
+    admitter = Admitter(AdmissionConfig(policy="async_topk", prior_confidence=0.0,
+                                        objective=ThetaObjective.PAPER), table)
     high = np.full((4, 2), 0.95)
     assert admitter.admit(high).sum() == 0  # step 0, prior K = 0
     assert admitter.admit(high).sum() == 0  # step 1, prior K = 0
@@ -510,7 +518,8 @@ def test_admitter_async_default_step_numbering_and_gap():
 def test_every_policy_respects_max_lengths(policy):
     rng = np.random.default_rng(7)
     table = convex_table(rng, 600)
-    admitter = Admitter(AdmissionConfig(policy=policy, prior_confidence=0.9), table)
+    admitter = Admitter(AdmissionConfig(policy=policy, prior_confidence=0.9,
+                                        objective=ThetaObjective.PAPER), table)
     for step in range(5):
         c = torch.tensor(random_confidences(rng, 40, 9), dtype=torch.float32)
         caps = torch.tensor(rng.integers(0, 12, size=40))  # some above gamma
@@ -535,11 +544,13 @@ def test_positions_to_draft_stop_where_no_policy_admits_more():
     gamma = 7
     for text, positions in (("fixed:2", 2), ("fixed:0", 1), ("fixed:9", 7), ("none", 7),
                             ("threshold:0.5", 7), ("sync_greedy", 7)):
-        admitter = Admitter(AdmissionConfig(policy=AdmissionPolicy.parse(text)), table)
+        admitter = Admitter(AdmissionConfig(policy=AdmissionPolicy.parse(text),
+                                            objective=ThetaObjective.PAPER), table)
         assert admitter.positions_to_draft(gamma) == positions, text
         c = np.full((3, positions), 0.99)
         assert int(admitter.admit(c, block_size=gamma).max()) <= positions, text
-    admitter = Admitter(AdmissionConfig(policy=AdmissionPolicy.parse("async_topk")), table)
+    admitter = Admitter(AdmissionConfig(policy=AdmissionPolicy.parse("async_topk"),
+                                        objective=ThetaObjective.PAPER), table)
     assert admitter.positions_to_draft(gamma) == gamma  # no K decided yet
     for _ in range(4):
         admitter.admit(np.full((1, gamma), 0.99))

@@ -32,7 +32,7 @@ from dspark.admission import (
     survival_probs,
     theta_curve,
 )
-from dspark.cost_table import CostTable
+from dspark.cost_table import CostTable, ThetaObjective
 from dspark.rejection import VerifyBatch, draw_uniforms, verify
 from dspark.sampling import SamplingParams
 
@@ -81,7 +81,7 @@ def retrospective_lengths(x1: torch.Tensor, table: CostTable) -> np.ndarray:
 def stateless_policy_lengths(policy: str, x1: torch.Tensor, table: CostTable) -> np.ndarray:
     """A stateless policy run on every round; it is a deterministic function of the round's
     confidences, which take one of two values here, so each value is decided once."""
-    admitter = Admitter(AdmissionConfig(policy=policy), table)
+    admitter = Admitter(AdmissionConfig(policy=policy, objective=ThetaObjective.PAPER), table)
     decided = {token: int(admitter.admit(confidences(token))[0]) for token in (A, B)}
     return np.where(x1.numpy() == A, decided[A], decided[B]).astype(np.int64)
 
@@ -102,7 +102,7 @@ def async_lengths(x1: torch.Tensor, table: CostTable) -> tuple[np.ndarray, np.nd
     admitted_if = {t: [int(admit_top_k(cand[t], k)[0]) for k in range(3)] for t in (A, B)}
     lengths = np.where(x1_np == A, np.take(admitted_if[A], capacities), np.take(admitted_if[B], capacities))
 
-    admitter = Admitter(AdmissionConfig(policy="async_topk"), table)
+    admitter = Admitter(AdmissionConfig(policy="async_topk", objective=ThetaObjective.PAPER), table)
     for t, token in enumerate(x1_np[:WRAPPER_ROUNDS].tolist()):
         assert admitter.admit(confidences(token), step_index=t)[0] == lengths[t]
         assert admitter.capacity_used == capacities[t]

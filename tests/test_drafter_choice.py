@@ -1,6 +1,6 @@
 """The drafter / hidden-layer flags parsed into typed values (dspark.drafter_choice), the policy's
 `drafts`, and the places that act on them: the verifier's layers and the
-embedded engine `dspark.loading.build_engine` (`dspark up`'s: tests/serving/test_up_cli.py)."""
+embedded engine `dspark.loading.load_engine` (`dspark up`'s: tests/serving/test_up_cli.py)."""
 
 from __future__ import annotations
 
@@ -73,14 +73,14 @@ def test_verifier_layers(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("policy, speculative", [("async_topk", True), ("none", False)])
-def test_build_engine(tmp_path, policy, speculative):
-    from dspark.loading import build_engine
+def test_load_engine(tmp_path, policy, speculative):
+    from dspark.loading import load_engine
     from loadtest.tiny_models import build_tiny_models
 
     tiny = build_tiny_models(tmp_path)
-    engine, tokenizer = build_engine(tiny.target_dir, tiny.drafter_dir, policy, "float32",
-                                     tiny.cost_table, max_running=2)
+    engine, tokenizer = load_engine(tiny.target_dir, tiny.drafter_dir, policy, "float32",
+                                    tiny.cost_table, max_running=2)
     assert (engine.drafter is not None) is speculative
-    assert str(engine.config.policy) == policy
+    assert str(engine.config.admission.policy) == policy
     done = engine.generate([tokenizer("t5 t6 t7")["input_ids"]], SamplingParams(temperature=0), 6)
     assert len(done[0].output_ids) == 6

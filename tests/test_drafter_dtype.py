@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.cpu_info import cpu_description
 from dspark.loading import drafter_dtype, load_method_drafter, load_target
 from dspark.models.packed_linear import bf16_packing_supported
@@ -24,7 +24,8 @@ def bf16_drafter_engine(tiny_models, policy: str) -> Engine:
                                   dtype=torch.bfloat16)
     assert drafter.fc.weight.dtype == torch.bfloat16 and runner.dtype == torch.float32
     return Engine(TargetVerifier(runner), drafter, CostTable.load(tiny_models.cost_table),
-                  EngineConfig(policy=policy, max_running=64, update_cost_table=False))
+                  EngineConfig(AdmissionConfig(policy=policy), batching=BatchingConfig(max_running=64),
+                               update_cost_table=False))
 
 
 def test_drafter_dtype_follows_the_cpu_under_a_float32_target(tiny_models):
@@ -47,10 +48,10 @@ def test_bf16_drafter_keeps_greedy_output_the_targets(tiny_models):
 
     prompts = [[3, 9, 27, 17], [5, 6], [40], [11, 12, 13, 14, 15, 16, 2]]
     engine = bf16_drafter_engine(tiny_models, f"fixed:{GAMMA}")
-    accepted: list[int] = []
-    engine.round_observer = lambda record: accepted.extend(record.num_accepted)
-    done = engine.generate(prompts, SamplingParams(temperature=0), max_tokens=24)
-    assert sum(accepted) > 0  # bf16 drafts were verified and some accepted
+    done = [engine.request(engine.add_request(p, SamplingParams(temperature=0), 24))
+            for p in prompts]
+    accepted = sum(result.stats.drafts_accepted for result in engine.steps())
+    assert accepted > 0  # bf16 drafts were verified and some accepted
     runner = load_target(tiny_models.target_dir, (), kv_cache_tokens=4096, dtype="float32")
     assert [r.output_ids for r in done] == generate_greedy(runner, prompts, 24)
 

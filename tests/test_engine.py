@@ -12,10 +12,12 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.cost_table import CostTable, ThetaObjective
-from dspark.engine import Engine, EngineConfig
+from dspark.drafting_gate import DraftingGateConfig, RoundMode
+from dspark.engine import Engine, EngineConfig, Request
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.rejection import VerificationRule
 from dspark.sampling import SamplingParams
+from dspark.step_result import RoundRecord
 from loadtest.tiny_models import GAMMA, LAYER_IDS, VOCAB
 from dspark.verifier import PrefillChunk, TargetVerifier
 
@@ -32,12 +34,20 @@ def make_engine(folder, policy: str, with_drafter: bool = True, max_running: int
     # A smooth cost table: verifying more tokens costs a little more.
     if table is None:
         table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
-    return Engine(TargetVerifier(runner, rule), drafter, table,
-                  EngineConfig(policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
-                               probe_interval=probe_interval, **{"update_cost_table": False, **config}))
+    return Engine(TargetVerifier(runner, rule), drafter, table, EngineConfig().with_values(
+        policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
+        probe_interval=probe_interval, **{"update_cost_table": False, **config}))
 
 
 PROMPTS = [[3, 9, 27, 17], [5, 6], [11, 12, 13, 14, 15, 16, 2], [40], [8, 8, 8, 8, 8], [33, 21, 7]]
+
+
+def generate_recording(engine: Engine, prompts, sampling: SamplingParams, max_tokens: int
+                       ) -> tuple[list[Request], list[RoundRecord]]:
+    """`Engine.generate`, also returning each drafting round's record (`RoundStats.drafted`)."""
+    done = [engine.request(engine.add_request(p, sampling, max_tokens)) for p in prompts]
+    records = [result.stats.drafted for result in engine.steps() if result.stats.drafted]
+    return done, records
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +98,7 @@ def test_async_topk_skips_drafting_when_capacity_is_zero(tiny_target, reference_
     steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
     engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=steep, probe_interval=4,
                          max_probe_interval=4)  # no backoff here: see the next test
-    drafted = []
-    engine.round_observer = lambda record: drafted.append(record)
-    done = engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=24)
+    done, drafted = generate_recording(engine, [PROMPTS[0]], SamplingParams(temperature=0), 24)
     assert done[0].output_ids == reference_greedy[0]
     rounds, skipped = engine.stats.rounds, engine.stats.skipped_draft_rounds
     assert len(drafted) + skipped == rounds
@@ -112,16 +120,17 @@ def test_async_topk_probes_back_off_and_a_join_does_not_reset_them(tiny_target, 
     engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=2,
                          max_probe_interval=8, prefill_chunk_tokens=0)
     drafted_at = []  # the rounds (1-based) that drafted
-    engine.round_observer = lambda record: drafted_at.append(engine.stats.rounds)
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=25, request_id="a")
-    requests = {"a": engine.waiting[-1]}
+    requests = {"a": engine.request("a")}
     while engine.stats.rounds < 18:
-        engine.step()
+        if engine.step().stats.drafted:
+            drafted_at.append(engine.stats.rounds)
     assert drafted_at == [1, 2, 10, 18]
     engine.add_request(PROMPTS[1], SamplingParams(temperature=0), max_tokens=20, request_id="b")
-    requests["b"] = engine.waiting[-1]
-    while engine.has_unfinished():
-        engine.step()
+    requests["b"] = engine.request("b")
+    for result in engine.steps():
+        if result.stats.drafted:
+            drafted_at.append(engine.stats.rounds)
     assert drafted_at == [1, 2, 10, 18, 26, 34]  # "b" joined in round 19: still every 8th
     assert max(engine.stats.capacity) == 0  # no round could verify a draft
     assert requests["a"].output_ids == reference_greedy[0] + requests["a"].output_ids[24:]
@@ -160,13 +169,12 @@ def test_async_topk_probes_soon_again_when_the_load_falls(tiny_target, reference
     engine = make_engine(tiny_target[0], "async_topk", max_running=2, table=steep, probe_interval=2,
                          max_probe_interval=8, prefill_chunk_tokens=0)
     drafted = []  # (round, running requests) of each drafting round
-    engine.round_observer = lambda record: drafted.append((engine.stats.rounds,
-                                                           len(record.request_ids)))
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=36, request_id="a")
     engine.add_request(PROMPTS[1], SamplingParams(temperature=0), max_tokens=19, request_id="b")
     requests = {r.request_id: r for r in engine.waiting}
-    while engine.has_unfinished():
-        engine.step()
+    for result in engine.steps():
+        if result.stats.drafted:
+            drafted.append((engine.stats.rounds, len(result.stats.drafted.request_ids)))
     # "b" emits its 19th token in round 18 (the prefill forward gave its first), so from round
     # 19 on one request is left: the probe due at round 26 comes at round 20 instead, and the
     # gaps double again after it (4, 8).
@@ -178,7 +186,10 @@ def test_async_topk_probes_soon_again_when_the_load_falls(tiny_target, reference
     # "a" ended in round 35 with the gap at 8 (next probe due at round 40). An engine left
     # empty is the lightest load, so the next request is drafted in its first round (36) and
     # the gaps double from 2 again (next: 40, then 48, past its 11 rounds).
-    done = engine.generate([PROMPTS[2]], SamplingParams(temperature=0), max_tokens=12)
+    done = [engine.request(engine.add_request(PROMPTS[2], SamplingParams(temperature=0), 12))]
+    for result in engine.steps():
+        if result.stats.drafted:
+            drafted.append((engine.stats.rounds, len(result.stats.drafted.request_ids)))
     assert done[0].output_ids == reference_greedy[2][:12]
     assert drafted[7:] == [(36, 1), (40, 1)]
 
@@ -193,15 +204,14 @@ def test_async_topk_probes_stay_backed_off_when_the_load_dips_a_little(tiny_targ
     engine = make_engine(tiny_target[0], "async_topk", max_running=4, table=steep, probe_interval=2,
                          max_probe_interval=8, prefill_chunk_tokens=0, probe_requests=0)
     drafted = []  # (round, running requests) of each drafting round
-    engine.round_observer = lambda record: drafted.append((engine.stats.rounds,
-                                                           len(record.request_ids)))
     max_tokens = dict(zip("abcd", (36, 30, 9, 17)))
     for prompt, rid in zip(PROMPTS, "abcd"):
         engine.add_request(prompt, SamplingParams(temperature=0), max_tokens=max_tokens[rid],
                            request_id=rid)
     requests = {r.request_id: r for r in engine.waiting}
-    while engine.has_unfinished():
-        engine.step()
+    for result in engine.steps():
+        if result.stats.drafted:
+            drafted.append((engine.stats.rounds, len(result.stats.drafted.request_ids)))
     # Warm-up rounds 1-2 (each fruitless: the gap doubles to 8). "c" ends in round 8 and "d" in
     # round 16: 3 and then 2 requests, against the lightest fruitless load of 4 and then 3, are
     # no reset, so the probes come at 10, 18, 26. "b" ends in round 29: 1 request is half the
@@ -323,7 +333,7 @@ def test_drafting_cost_decides_under_the_shared_device_objective(tiny_target, re
     engine = make_engine(tiny_target[0], "async_topk", max_running=1, table=table(0.0),
                          update_cost_table=True)
     engine.generate([PROMPTS[0]], SamplingParams(temperature=0), max_tokens=8)
-    assert engine.config.objective is ThetaObjective.SHARED_DEVICE
+    assert engine.config.admission.objective is ThetaObjective.SHARED_DEVICE
     # drafting is measured per request count (here one request a round)
     assert 0.0 < engine.cost_table.draft_time(1) <= engine.stats.draft_seconds
     assert set(engine.cost_table.draft_seconds_by_requests) == {1}
@@ -348,16 +358,16 @@ def test_chunked_prefill_reads_a_long_prompt_while_others_decode(tiny_target, re
     request gets its tokens every round meanwhile, and both outputs are the target's."""
     engine = make_engine(tiny_target[0], "fixed:2", max_running=2, prefill_chunk_tokens=3)
     first = engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=24)
-    requests = {first: engine.waiting[-1]}
+    requests = {first: engine.request(first)}
     engine.step()  # a 4-token prompt, nothing running: read in two steps, no round
     assert engine.stats.rounds == 0 and engine.prefilling
     engine.step()
     assert requests[first].output_ids == reference_greedy[0][:1] and not engine.prefilling
     second = engine.add_request(PROMPTS[2], SamplingParams(temperature=0), max_tokens=24)
-    requests[second] = engine.waiting[-1]
+    requests[second] = engine.request(second)
     for expected_read in (3, 6, 7):
         produced = len(requests[first].output_ids)
-        outputs = engine.step()
+        outputs = engine.step().outputs
         assert requests[second].prefilled == expected_read
         assert len(requests[first].output_ids) > produced  # it kept decoding
         assert [o.request_id for o in outputs if o.request_id == second] == (
@@ -374,7 +384,7 @@ def test_abort_while_prefilling_frees_the_partial_prompt(tiny_target, reference_
     behind, and the request that was running goes on unchanged."""
     engine = make_engine(tiny_target[0], "async_topk", max_running=2, prefill_chunk_tokens=3)
     kept = engine.add_request(PROMPTS[0], SamplingParams(temperature=0), max_tokens=24)
-    requests = {kept: engine.waiting[-1]}
+    requests = {kept: engine.request(kept)}
     engine.step()
     engine.step()
     gone = engine.add_request(PROMPTS[2], SamplingParams(temperature=0), max_tokens=24)
@@ -519,8 +529,9 @@ def test_sampled_joint_distribution_is_the_targets(tiny_target, policy, rule):
 
 def test_engine_config_rejects_a_probe_cap_below_the_interval():
     with pytest.raises(ValueError, match="max_probe_interval"):
-        EngineConfig(probe_interval=8, max_probe_interval=4)
-    assert EngineConfig(probe_interval=0, max_probe_interval=0).max_probe_interval == 0
+        EngineConfig().with_values(probe_interval=8, max_probe_interval=4)
+    assert EngineConfig().with_values(probe_interval=0, max_probe_interval=0).gate == (
+        DraftingGateConfig(probe_interval=0, max_probe_interval=0))
 
 
 @pytest.mark.parametrize("slope", [0.01, 0.002])  # K stays 0 (probes only) / K > 0 at times
@@ -543,9 +554,8 @@ def test_held_features_give_the_drafter_the_same_context(tiny_target, slope):
             return take(ids)
 
         engine.verifier.take_features = recording_take
-        records = []
-        engine.round_observer = records.append
-        done = engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=7), max_tokens=20)
+        done, records = generate_recording(engine, PROMPTS, SamplingParams(temperature=1.0, seed=7),
+                                           20)
         runs.append(([r.output_ids for r in done], records, taken, engine))
     (plain_out, plain_records, plain_taken, _), (held_out, held_records, taken, engine) = runs
     assert held_out == plain_out
@@ -558,3 +568,30 @@ def test_held_features_give_the_drafter_the_same_context(tiny_target, slope):
     assert stats.sampled_probe_rounds and stats.skipped_draft_rounds
     assert (max(stats.capacity) > 0) == (slope < 0.01)
     assert not engine._held and not engine.verifier.stash._pieces  # all taken or released
+
+
+@pytest.mark.parametrize("policy", ["fixed:3", "async_topk"])
+def test_step_results_add_up_to_the_requests(tiny_target, policy):
+    """Each step says what it did: summed over the steps, the drafts admitted and accepted are
+    the requests' own counts, every prompt token is read once, each round's forward holds its
+    requests' anchors and admitted drafts, and the engine's totals are the sums of the steps."""
+    engine = make_engine(tiny_target[0], policy, max_running=3, prefill_chunk_tokens=5)
+    done = [engine.request(engine.add_request(p, SamplingParams(temperature=1.0, seed=i), 12))
+            for i, p in enumerate(PROMPTS)]
+    results = list(engine.steps())
+    stats = [r.stats for r in results]
+    assert sum(s.drafts_admitted for s in stats) == sum(r.metrics.drafts_verified for r in done)
+    assert sum(s.drafts_accepted for s in stats) == sum(r.metrics.drafts_accepted for r in done)
+    assert sum(s.drafts_accepted for s in stats) > 0
+    assert sum(s.prompt_tokens for s in stats) == sum(len(p) for p in PROMPTS)
+    assert sum(r.new_tokens for r in results) == sum(len(r.output_ids) for r in done)
+    assert [o.request_id for r in results for o in r.finished] != []
+    for s in stats:
+        assert s.drafts_accepted <= s.drafts_admitted <= s.drafts_proposed or not s.drafted
+        if s.verified and not s.prompt_tokens:
+            assert s.batch_tokens == s.batch_size + s.drafts_admitted
+        if s.drafted is not None and s.mode is RoundMode.DRAFT:
+            assert sum(s.drafted.num_admitted) == s.drafts_admitted
+    assert engine.stats.rounds == sum(s.verified for s in stats)
+    assert engine.stats.draft_seconds == pytest.approx(sum(s.seconds.draft for s in stats))
+    assert engine.stats.batch_tokens == [s.batch_tokens for s in stats if s.verified]

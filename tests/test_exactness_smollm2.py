@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.loading import load_method_drafter, load_target
 from dspark.models.drafter_config import DrafterConfig
 from dspark.sampling import SamplingParams
@@ -98,8 +98,9 @@ def stack(smollm2_dir):
 
 def run_engine(stack, policy: str, max_running: int, prompts, eos: int) -> list[list[int]]:
     verifier, drafter = stack
-    engine = Engine(verifier, drafter, COST_TABLE, EngineConfig(policy=policy, max_running=max_running,
-                                                              update_cost_table=False))
+    engine = Engine(verifier, drafter, COST_TABLE, EngineConfig(
+        AdmissionConfig(policy=policy), batching=BatchingConfig(max_running=max_running),
+        update_cost_table=False))
     free_before = verifier.runner.num_free_blocks
     finished = engine.generate(prompts, SamplingParams(temperature=0.0), max_tokens=NEW_TOKENS,
                                stop_token_ids=[eos])

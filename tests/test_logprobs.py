@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, Engine, EngineConfig
 from dspark.loading import load_method_drafter, load_target
 from dspark.logprobs import TokenLogprobs, grouped_token_logprobs, token_logprobs
 from dspark.sampling import SamplingParams
@@ -34,7 +34,7 @@ def make_engine(models, policy: str, **config) -> Engine:
     runner = load_target(models.target_dir, LAYER_IDS, kv_cache_tokens=4096)
     drafter = load_method_drafter(models.drafter_dir, runner, apply_calibration=True)
     return Engine(TargetVerifier(runner), drafter, CostTable.load(models.cost_table),
-                  EngineConfig(policy=policy, update_cost_table=False, **config))
+                  EngineConfig().with_values(policy=policy, update_cost_table=False, **config))
 
 
 def reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -151,7 +151,7 @@ def test_real_target_logprobs_under_speculation(smollm2_dir):
     drafter = load_method_drafter(drafter_dir, runner, apply_calibration=True)
     engine = Engine(TargetVerifier(runner), drafter,
                     CostTable.from_step_seconds({1: 0.06, 8: 0.09, 16: 0.12, 64: 0.33}),
-                    EngineConfig(policy="fixed:7", update_cost_table=False))
+                    EngineConfig(AdmissionConfig(policy="fixed:7"), update_cost_table=False))
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompt = list(tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three primary colours."}], add_generation_prompt=True,

@@ -32,9 +32,11 @@ import torch
 from dspark.calibration import (CalibrationReport, STSCalibration, calibration_report,
                                 survival_from_accepted_len)
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig, RoundRecord
+from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+from dspark.loading import build_engine
 from dspark.models.draft_types import DraftBlock, DraftRequest, Drafter
 from dspark.sampling import SamplingParams
+from dspark.step_result import RoundRecord, StepResult
 from dspark.verifier import TargetVerifier
 
 
@@ -88,7 +90,7 @@ class AcceptanceRecords:
 
 
 class RoundCollector:
-    """An `Engine.round_observer` that appends each round's per-request rows."""
+    """Each speculative round's per-request rows, from the engine's step results (`add`)."""
 
     def __init__(self) -> None:
         self.request_ids: list[Hashable] = []
@@ -96,7 +98,12 @@ class RoundCollector:
         self.admitted: list[int] = []
         self.accepted: list[int] = []
 
-    def __call__(self, record: RoundRecord) -> None:
+    def add(self, result: StepResult) -> None:
+        """A step's drafted requests, if it drafted (`RoundStats.drafted`)."""
+        if result.stats.drafted is not None:
+            self.add_record(result.stats.drafted)
+
+    def add_record(self, record: RoundRecord) -> None:
         conf = record.confidences.detach().to("cpu", torch.float64).numpy()  # [num_requests, gamma]
         assert conf.shape[0] == len(record.request_ids), (conf.shape, len(record.request_ids))
         self.request_ids += list(record.request_ids)
@@ -264,22 +271,25 @@ def collect_records(verifier: TargetVerifier, drafter: Drafter, prompts: Sequenc
         raise ValueError(f"verify_len {config.verify_len} exceeds the drafter's gamma {gamma}")
     # The fixed policy never reads the cost table; a flat one satisfies the engine.
     table = CostTable.from_step_seconds({1: 1.0})
-    engine = Engine(verifier, drafter if has_confidences else _FilledConfidences(drafter), table,
-                    EngineConfig(policy=f"fixed:{config.verify_len}",
-                                 max_running=config.max_running, update_cost_table=False))
+    engine_config = EngineConfig(AdmissionConfig(policy=f"fixed:{config.verify_len}"),
+                                 batching=BatchingConfig(max_running=config.max_running),
+                                 update_cost_table=False)
+    engine = build_engine(verifier, drafter if has_confidences else _FilledConfidences(drafter),
+                          table, engine_config)
     collector = RoundCollector()
-    engine.round_observer = collector
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(temperature=config.temperature, seed=config.seed + i),
                            config.max_tokens, config.stop_token_ids, request_id=i)
     outputs: list[list[int]] = [[] for _ in prompts]
     finished = 0
-    for out in engine.stream():
-        outputs[out.request_id] += out.new_token_ids
-        if out.finished:
-            finished += 1
-            if progress is not None:
-                progress(finished, len(prompts))
+    for result in engine.steps():
+        collector.add(result)
+        for out in result.outputs:
+            outputs[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished += 1
+                if progress is not None:
+                    progress(finished, len(prompts))
     records = collector.records(config.verify_len, gamma)
     if not has_confidences:
         records.confidences[:] = np.nan

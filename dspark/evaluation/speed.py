@@ -35,12 +35,13 @@ the macro average is the mean over datasets of each dataset's tokens/s. The rows
 wave, so a load change on the shared machine hits every row alike, and every ratio is against the
 target-only row of the same (temperature, concurrency) run (DESIGN.md 9: compare as ratios).
 
-Time breakdown of the engine rows (sums over the timed waves):
-- prefill: target forward over the prompts and the first token (`EngineStats.prefill_seconds`;
-  a prompt chunk that rides in a verification forward counts its tokens' share of it);
-- drafter context: the drafter absorbing committed tokens' target features (`append_context`);
+Time breakdown of the engine rows (sums over the timed waves of the steps' `RoundStats.seconds`):
+- prefill: target forward over the prompts and the first token (a prompt chunk that rides in a
+  verification forward counts its tokens' share of it);
+- drafter context: the drafter absorbing committed tokens' target features (`append_context`;
+  features the verifier held are handed over just before drafting and count as draft);
 - draft: drafting the blocks; admission: the policy's decision;
-- target forward: the flattened verification forward (`EngineStats.verify_seconds`);
+- target forward: the flattened verification forward;
 - sampling + commit: the rest of the verifier's call: rejection sampling, KV cache truncation,
   feature slicing;
 - rest: wall time minus all of the above = the round loop's Python overhead.
@@ -61,7 +62,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -72,6 +73,7 @@ from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
 if TYPE_CHECKING:
     from dspark.engine import Engine
+    from dspark.step_result import StageSeconds
 
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 # Speed goals: DSpark over target-only, greedy, macro-average, by number of concurrent streams.
@@ -110,9 +112,9 @@ class RowSpec:
     """`dspark.methods.METHODS` key naming the drafter's checkpoint folder."""
     policy: str = "none"
     """Admission policy of engine rows."""
-    objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
-    """What engine rows' admission maximises (EngineConfig.objective; only async_topk and
-    sync_greedy read it)."""
+    objective: ThetaObjective | None = None
+    """What engine rows' admission maximises (AdmissionConfig.objective; None: its default, the
+    one served; only async_topk and sync_greedy read it)."""
     drafter_dtype: str | None = None
     """The drafter's dtype; None: `dspark.loading.drafter_dtype`'s choice, as served."""
     verification: str | None = None
@@ -199,101 +201,38 @@ def truncate_at_stop(tokens: Sequence[int], stops: Sequence[int], max_tokens: in
     return out
 
 
-class TimedVerifier:
-    """The engine's verifier with the wall time of whole `verify` calls added up (the engine only
-    times the target forward inside); everything else is passed through."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.verify_call_seconds = 0.0
-
-    @property
-    def runner(self):
-        return self.inner.runner
-
-    def prefill(self, *args, **kwargs):
-        return self.inner.prefill(*args, **kwargs)
-
-    def verify(self, requests, prefill=()):
-        start = time.perf_counter()
-        out = self.inner.verify(requests, prefill)
-        if requests:  # (a call with prompt chunks only is all prefill, timed by the engine)
-            # the prompt tokens' share of the forward is prefill (EngineStats.prefill_seconds)
-            share = out.prefill_tokens / (out.prefill_tokens + out.batch_tokens)
-            self.verify_call_seconds += time.perf_counter() - start - out.step_seconds * share
-        return out
-
-    def take_features(self, request_ids):
-        return self.inner.take_features(request_ids)
-
-    def release(self, request_id: Hashable) -> None:
-        self.inner.release(request_id)
-
-
-class TimedDrafter:
-    """A drafter with the wall time of `append_context` added up (`draft` the engine times)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.gamma = inner.gamma
-        self.append_seconds = 0.0
-
-    def append_context(self, *args, **kwargs) -> None:
-        start = time.perf_counter()
-        self.inner.append_context(*args, **kwargs)
-        self.append_seconds += time.perf_counter() - start
-
-    def draft(self, *args, **kwargs):
-        return self.inner.draft(*args, **kwargs)
-
-    def release(self, request_id: Hashable) -> None:
-        self.inner.release(request_id)
-
-
-@dataclass
-class EngineRow:
-    """An engine built for one row at one concurrency, with its timing wrappers."""
-
-    engine: Engine
-    verifier: TimedVerifier
-    drafter: TimedDrafter | None
-
-    def counters(self) -> dict[str, float]:
-        s = self.engine.stats
-        return {"prefill": s.prefill_seconds,
-                "drafter_context": self.drafter.append_seconds if self.drafter else 0.0,
-                "draft": s.draft_seconds, "admission": s.admission_seconds,
-                "target_forward": s.verify_seconds,
-                "sampling_commit": self.verifier.verify_call_seconds - s.verify_seconds}
-
-
-def run_engine_wave(row: EngineRow, prompts: Sequence[Sequence[int]], temperature: float,
+def run_engine_wave(engine: Engine, prompts: Sequence[Sequence[int]], temperature: float,
                     max_tokens: int, stops: Sequence[int], seed: int, tally: Tally | None) -> None:
     """All prompts submitted at once, run to completion; adds to `tally` (None: warm-up)."""
     from dspark.sampling import SamplingParams
+    from dspark.step_result import StageSeconds
 
-    engine = row.engine
     assert not engine.has_unfinished()
-    before = row.counters()
+    seconds_by_stage = StageSeconds()
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(p, SamplingParams(temperature=temperature, seed=seed + i), max_tokens,
-                           stops)
-    requests = list(engine.waiting)
-    while engine.has_unfinished():
-        engine.step()
+    requests = [engine.request(engine.add_request(
+        p, SamplingParams(temperature=temperature, seed=seed + i), max_tokens, stops))
+        for i, p in enumerate(prompts)]
+    for result in engine.steps():
+        seconds_by_stage.add(result.stats.seconds)
     seconds = time.perf_counter() - start
     if tally is None:
         return
-    after = row.counters()
     tally.seconds += seconds
     tally.streams += len(requests)
-    tally.add_breakdown({k: after[k] - before[k] for k in BREAKDOWN_KEYS})
+    tally.add_breakdown(breakdown(seconds_by_stage))
     for r in requests:
         tally.tokens += len(r.output_ids)
         tally.rounds += r.metrics.rounds
         tally.drafts_accepted += r.metrics.drafts_accepted
         tally.outputs.append(list(r.output_ids))
+
+
+def breakdown(seconds: StageSeconds) -> dict[str, float]:
+    """The engine's stage seconds under BREAKDOWN_KEYS."""
+    return {"prefill": seconds.prefill, "drafter_context": seconds.drafter_context,
+            "draft": seconds.draft, "admission": seconds.admission,
+            "target_forward": seconds.verify, "sampling_commit": seconds.verify_call}
 
 
 def hf_generation_config(temperature: float, max_tokens: int, stops: Sequence[int], pad_id: int,
@@ -352,7 +291,7 @@ class Setup:
     """dataset -> chat-templated prompt ids (as many as the largest concurrency needs)."""
     stops: list[int]
     pad_id: int
-    engines: dict[tuple[str, int], EngineRow]
+    engines: dict[tuple[str, int], Engine]
     hf_model: object | None
     status: dict[str, str]
     """row -> "ok" | "missing" | "error"."""
@@ -369,16 +308,16 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     from transformers import AutoTokenizer
 
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
     from dspark.evaluation.eval_cli import default_checkpoints, read_eval_prompts
-    from dspark.loading import is_checkpoint, load_calibration, load_method_drafter, load_target
+    from dspark.loading import (build_engine, is_checkpoint, load_calibration,
+                                load_method_drafter, load_target)
     from dspark.step_timing import startup_cost_table
     from dspark.stop_tokens import stop_token_ids
     from dspark.models.drafter_config import DrafterConfig
     from dspark.models.runner import RunnerConfig, TargetRunner
     from dspark.rejection import VerificationRule
     from dspark.training.data import encode_chat
-    from dspark.verifier import TargetVerifier
 
     model_dir = args.model_dir
     if model_dir is None:
@@ -467,13 +406,13 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
         rule = VerificationRule(spec.verification or args.verification)
         if rule is VerificationRule.BLOCK and spec.method is not None:
             notes[name] += ", block verification"
+        objective = {} if spec.objective is None else {"objective": spec.objective}
         for c in concurrencies:
-            verifier = TimedVerifier(TargetVerifier(runner, rule))
-            timed_drafter = TimedDrafter(drafter) if drafter is not None else None
-            engine = Engine(verifier, timed_drafter, CostTable.from_dict(table.to_dict()),
-                            EngineConfig(policy=policy, max_running=c,
-                                         sparse_top_k=args.sparse_top_k, objective=spec.objective))
-            engines[(name, c)] = EngineRow(engine, verifier, timed_drafter)
+            engines[(name, c)] = build_engine(
+                runner, drafter, CostTable.from_dict(table.to_dict()),
+                EngineConfig(AdmissionConfig(policy=policy, **objective),
+                             batching=BatchingConfig(max_running=c),
+                             sparse_top_k=args.sparse_top_k), rule)
 
     hf_model = None
     if any(ROWS[n].kind is not RowKind.ENGINE for n in rows):

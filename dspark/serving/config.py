@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 C = TypeVar("C")
 
+SCHEDULER_ENV_PREFIX = "DSPARK_SCHEDULER"
+"""The scheduler's flags read their defaults from DSPARK_SCHEDULER_<FIELD_NAME>."""
+
 
 class TraceExporter(enum.Enum):
     """Where OpenTelemetry spans go."""
@@ -47,7 +50,8 @@ def _field(default: Any, help: str, **kwargs: Any) -> Any:
 
 def engine_field(name: str, help: str, *, from_engine: Callable[[Any], Any] = lambda v: v,
                  to_engine: Callable[[Any], Any] = lambda v: v) -> Any:
-    """A config field that sets `EngineConfig.<name>` (whose docstring says what it does).
+    """A config field that sets the EngineConfig field `name`, in the engine's own fields or in
+    one of its parts (`EngineConfig.field_path`; the part's docstring says what it does).
     Its default is EngineConfig's, so the two cannot drift; it is read when first needed, as
     dspark.engine imports torch. `from_engine` turns the engine's value into the flag's,
     `to_engine` (`SchedulerConfig.engine_config`) the flag's back."""
@@ -55,7 +59,7 @@ def engine_field(name: str, help: str, *, from_engine: Callable[[Any], Any] = la
     def engine_default() -> Any:
         from dspark.engine import EngineConfig
 
-        return from_engine(getattr(EngineConfig(), name))
+        return from_engine(EngineConfig().value(name))
 
     return field(default_factory=engine_default,
                  metadata={"help": help, "engine_field": name, "to_engine": to_engine})
@@ -246,7 +250,7 @@ class SchedulerConfig(TracingFields, InternalTokenFields):
         from its services (`objective`, `kv_cache_tokens`, `kv_block_size`)."""
         from dspark.engine import EngineConfig
 
-        return EngineConfig(**{f.metadata["engine_field"]: f.metadata["to_engine"](
+        return EngineConfig().with_values(**{f.metadata["engine_field"]: f.metadata["to_engine"](
             getattr(self, f.name)) for f in engine_fields(type(self))}, **scheduler_decided)
 
     @property

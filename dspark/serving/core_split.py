@@ -42,10 +42,10 @@ def scheduler_cohorts(scheduler_args: Sequence[str]) -> int:
     """The cohorts a scheduler started with `scheduler_args` runs, resolved as the scheduler
     resolves its flags (its `--cohorts`, else DSPARK_SCHEDULER_COHORTS, else SchedulerConfig's
     default)."""
-    from services.scheduler.main import configure  # the scheduler's own flags, env and defaults
+    from dspark.serving.config import SCHEDULER_ENV_PREFIX, SchedulerConfig, add_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
-    configure(parser)
+    add_arguments(parser, SchedulerConfig, SCHEDULER_ENV_PREFIX)  # as the scheduler reads them
     known, _ = parser.parse_known_args(list(scheduler_args))
     return known.cohorts
 

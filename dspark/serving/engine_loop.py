@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from dspark.engine import Engine, Request, RequestMetrics, RoundRecord
+from dspark.engine import Engine
 from dspark.logprobs import TokenLogprobs
+from dspark.request import Request, RequestMetrics
 from dspark.sampling import SamplingParams
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStore, RoundUpdate, StoredRequest
@@ -102,7 +103,6 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-loop-{cohort}",
                                         daemon=True)
-        engine.round_observer = self._observe_round
 
     # -- front-end side (any thread) --------------------------------------------------------
     def start(self) -> None:
@@ -188,10 +188,10 @@ class EngineLoop:
         span = self.tracer.start_span("scheduler.request", attributes={
             "dspark.request_id": s.request_id, "dspark.prompt_tokens": len(s.prompt_ids),
             "dspark.max_tokens": s.max_tokens})
-        self.engine.add_request(s.prompt_ids, s.sampling, s.max_tokens, s.stop_token_ids,
-                                request_id=s.request_id, logprobs=s.logprobs)
+        rid = self.engine.add_request(s.prompt_ids, s.sampling, s.max_tokens, s.stop_token_ids,
+                                      request_id=s.request_id, logprobs=s.logprobs)
         already = len(s.stored.output_ids) if s.stored is not None else 0
-        self._live[s.request_id] = _Live(self.engine.waiting[-1], events, span, already)
+        self._live[s.request_id] = _Live(self.engine.request(rid), events, span, already)
         self.metrics.record_prompt(len(s.prompt_ids))
 
     def _round_parent(self):
@@ -201,33 +201,32 @@ class EngineLoop:
         return trace.set_span_in_context(spans[0]) if spans else None, links
 
     def _one_round(self) -> None:
-        stats = self.engine.stats
-        rounds_before, verify_before = stats.rounds, stats.verify_seconds
-        capacity_before = len(stats.capacity)
-        stages_before = _stage_seconds(stats)
-        skipped_before, preempted_before = stats.skipped_draft_rounds, stats.preemptions
         step_start = time.perf_counter()
         parent, links = self._round_parent()
         with self.tracer.start_as_current_span("scheduler.round", context=parent,
                                                links=links) as span:
             try:
-                outputs = self.engine.step()
+                result = self.engine.step()
             except Exception as e:  # a service failed past its retries: fail, never hang
                 self.logger.exception("round failed; failing its requests")
                 self._fail_all(f"{type(e).__name__}: {e}")
                 self._record_kv_cache_usage()
                 return
             step_seconds = time.perf_counter() - step_start
-            verified = stats.rounds > rounds_before
-            batch_tokens = stats.batch_tokens[-1] if verified else None
-            capacity = stats.capacity[-1] if len(stats.capacity) > capacity_before else None
+            stats = result.stats
             span.set_attribute("dspark.num_requests", len(self.engine.running))
             span.set_attribute("dspark.cohort", self.cohort)
-            if batch_tokens is not None:
-                span.set_attribute("dspark.batch_tokens", batch_tokens)
-            if capacity is not None:
-                span.set_attribute("dspark.capacity_k", capacity)
+            if stats.mode is not None:
+                span.set_attribute("dspark.round_mode", stats.mode.value)
+            if stats.batch_tokens is not None:
+                span.set_attribute("dspark.batch_tokens", stats.batch_tokens)
+            if stats.capacity is not None:
+                span.set_attribute("dspark.capacity_k", stats.capacity)
+            if stats.drafts_admitted:
+                span.set_attribute("dspark.drafts_admitted", stats.drafts_admitted)
+                span.set_attribute("dspark.drafts_accepted", stats.drafts_accepted)
         # Store first, then stream: while the store works, a token a client has seen is in it.
+        outputs = result.outputs
         self._store_round(outputs)
         for out in outputs:
             rid = str(out.request_id)
@@ -241,16 +240,10 @@ class EngineLoop:
                 self.metrics.record_refused("kv_cache_full")
             if out.finished:
                 self._close(rid, out.finish_reason)
-        stages = {k: v - stages_before[k] for k, v in _stage_seconds(stats).items()}
-        stages["other"] = max(0.0, step_seconds - sum(stages.values()))
-        self.metrics.record_stage_seconds(stages, stats.skipped_draft_rounds - skipped_before)
-        self.metrics.record_preemptions(stats.preemptions - preempted_before)
-        self.metrics.record_round(
-            sum(len(o.new_token_ids) for o in outputs), batch_tokens,
-            stats.verify_seconds - verify_before if verified else None, capacity,
-            len(self.engine.running), self.queue_depth(), cohort=self.cohort)
+        self.metrics.record_step(stats, step_seconds, result.new_tokens, len(self.engine.running),
+                                 self.queue_depth(), cohort=self.cohort)
         self._record_kv_cache_usage()
-        if verified and stats.rounds % COST_TABLE_SAVE_ROUNDS == 0:
+        if stats.verified and self.engine.stats.rounds % COST_TABLE_SAVE_ROUNDS == 0:
             self._save_cost_table()
 
     def _store_round(self, outputs) -> None:
@@ -279,9 +272,6 @@ class EngineLoop:
         for live, tokens in written:
             live.stored += len(tokens)
             live.unstored = []
-
-    def _observe_round(self, record: RoundRecord) -> None:
-        self.metrics.record_speculation(record.num_admitted, record.num_accepted)
 
     def _close(self, rid: str, reason: str | None) -> None:
         live = self._live.pop(rid)
@@ -328,9 +318,3 @@ class EngineLoop:
         except Exception:
             self.logger.exception("saving the cost table failed")
 
-
-def _stage_seconds(stats) -> dict[str, float]:
-    """The engine's cumulative seconds per stage (EngineStats), keyed as ROUND_STAGES."""
-    return {"prefill": stats.prefill_seconds, "draft": stats.draft_seconds,
-            "admission": stats.admission_seconds, "verify": stats.verify_seconds,
-            "verify_call": stats.verify_call_seconds}

@@ -18,16 +18,24 @@ OpenTelemetry bridge (dspark.serving.otel_metrics) reads the same registry.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
+
+from dspark.drafting_gate import RoundMode
+
+if TYPE_CHECKING:
+    from dspark.step_result import RoundStats
 
 # `<name>_created` series double the scrape for nothing a dashboard uses (vLLM drops them too).
 disable_created_metrics()
 
 PREFIX = "dspark:"
 ROUND_STAGES = ("prefill", "draft", "admission", "verify", "verify_call", "other")
-"""Stages of `dspark:round_seconds_total` (the engine's EngineStats, plus the rest of each step)."""
+"""Stages of `dspark:round_seconds_total`: a step's `RoundStats.seconds` (StageSeconds) of those
+names, and the rest of the step's wall time ("other", where handing features to the drafter and
+the engine's bookkeeping fall)."""
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Reasons `dspark:request_success_total` is initialised with (0 until one happens)."""
 REFUSAL_REASONS = ("queue_full", "kv_cache_full")
@@ -154,6 +162,20 @@ class SchedulerMetrics:
                                      ("model_name", "handler", "method", "status"), registry=r)
 
     # -- written by the engine loops ----------------------------------------------------------
+    def record_step(self, stats: RoundStats, wall_seconds: float, generated: int, running: int,
+                    waiting: int, cohort: int = 0) -> None:
+        """One engine step, from what it returned (`StepResult`): `wall_seconds` of the whole
+        step, `generated` tokens, the requests running and waiting after it."""
+        if stats.drafted is not None:
+            self.record_speculation(stats.drafted.num_admitted, stats.drafted.num_accepted)
+        stages = {stage: getattr(stats.seconds, stage) for stage in ROUND_STAGES[:-1]}
+        stages["other"] = max(0.0, wall_seconds - sum(stages.values()))
+        self.record_stage_seconds(stages, int(stats.mode is RoundMode.SKIP))
+        self.record_preemptions(stats.preemptions)
+        self.record_round(generated, stats.batch_tokens,
+                          stats.seconds.verify if stats.verified else None, stats.capacity,
+                          running, waiting, cohort=cohort)
+
     def record_finished(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
 

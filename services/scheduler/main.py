@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.serving.config import SchedulerConfig, add_arguments, from_args
+from dspark.serving.config import SCHEDULER_ENV_PREFIX, SchedulerConfig, add_arguments, from_args
 
-ENV_PREFIX = "DSPARK_SCHEDULER"
+ENV_PREFIX = SCHEDULER_ENV_PREFIX
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +71,7 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
     """A RemoteVerifier, a RemoteDrafter (unless none) and an Engine over them."""
     from dspark.admission import PolicyKind
     from dspark.cost_table import CostTable, ThetaObjective
-    from dspark.engine import Engine
+    from dspark.loading import build_engine
     from dspark.serving import grpc_runtime
     from dspark.serving.remote_drafter import RemoteDrafter
     from dspark.serving.remote_verifier import RemoteVerifier
@@ -96,7 +96,7 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
         kv_cache_tokens=verifier.kv_cache_tokens // config.cohorts,
         kv_block_size=verifier.kv_block_size)
     drafter = None
-    if config.drafter and engine_config.policy.kind is not PolicyKind.NONE:
+    if config.drafter and engine_config.admission.policy.kind is not PolicyKind.NONE:
         drafter = RemoteDrafter(config.drafter, config.draft_timeout_seconds,
                                 config.drafter_retry_seconds, config.verifier_wait_seconds,
                                 on_state_change=drafter_state, internal_token=token)
@@ -105,7 +105,7 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
                              f"verifier returns {verifier.hidden_layer_ids}")
     # Each engine refreshes its own copy of SPS(B) (CostTable is not shared across threads).
     table = CostTable.from_dict(cost_table.to_dict())
-    return Cohort(verifier, drafter, Engine(verifier, drafter, table, engine_config))
+    return Cohort(verifier, drafter, build_engine(verifier, drafter, table, engine_config))
 
 
 def start(config: SchedulerConfig) -> Scheduler:

@@ -142,7 +142,7 @@ def tiny_config(rs, models, cells: int, http_port: int, **overrides):
 def embedded_greedy(models, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The embedded engine (same target, drafter, policy and cost table) under greedy."""
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import AdmissionConfig, Engine, EngineConfig
     from dspark.loading import load_method_drafter, load_target
     from dspark.sampling import SamplingParams
     from dspark.verifier import TargetVerifier
@@ -150,7 +150,7 @@ def embedded_greedy(models, prompts: list[list[int]], max_tokens: int) -> list[l
     runner = load_target(models.target_dir, LAYER_IDS, kv_cache_tokens=16384)
     drafter = load_method_drafter(models.drafter_dir, runner, apply_calibration=True)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.load(models.cost_table),
-                    EngineConfig(policy="async_topk", update_cost_table=False))
+                    EngineConfig(AdmissionConfig(policy="async_topk"), update_cost_table=False))
     outputs = engine.generate(prompts, SamplingParams(temperature=0), max_tokens)
     return [o.output_ids for o in outputs]
 

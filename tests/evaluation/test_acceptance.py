@@ -10,7 +10,7 @@ import torch
 
 from dspark.calibration import STSCalibration, expected_calibration_error
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.evaluation.acceptance import (AcceptanceRecords, CollectConfig, RoundCollector,
                                           acceptance_length, collect_records,
                                           conditional_acceptance, summarize)
@@ -175,15 +175,18 @@ def test_oracle_drafter_acceptance(tiny_target, wrong):
         assert got == ref
 
 
-def test_observer_rows_add_up_to_the_engine_metrics(tiny_target):
+def test_collected_rows_add_up_to_the_engine_metrics(tiny_target):
     folder, _ = tiny_target
     runner = make_runner(folder)
     drafter = tiny_dspark(0, runner, noisy_confidence=True)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds({1: 1.0}),
-                    EngineConfig(policy=f"fixed:{GAMMA}", max_running=4, update_cost_table=False))
+                    EngineConfig(AdmissionConfig(policy=f"fixed:{GAMMA}"),
+                                 batching=BatchingConfig(max_running=4), update_cost_table=False))
     collector = RoundCollector()
-    engine.round_observer = collector
-    done = engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=7), max_tokens=16)
+    done = [engine.request(engine.add_request(p, SamplingParams(temperature=1.0, seed=7), 16))
+            for p in PROMPTS]
+    for result in engine.steps():
+        collector.add(result)
     records = collector.records(GAMMA, GAMMA)
     assert records.num_rounds == sum(r.metrics.rounds for r in done)
     assert int(records.accepted.sum()) == sum(r.metrics.drafts_accepted for r in done)

@@ -88,7 +88,7 @@ def stack(tiny_models, shared_verifier) -> Stack:
 def embedded_greedy(tiny_models):
     """Greedy outputs of the embedded engine (same target, drafter, policy, cost table)."""
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import AdmissionConfig, Engine, EngineConfig
     from dspark.loading import load_method_drafter, load_target
     from dspark.sampling import SamplingParams
     from dspark.verifier import TargetVerifier
@@ -101,7 +101,8 @@ def embedded_greedy(tiny_models):
             runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=4096)
             drafter = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
             engine = Engine(TargetVerifier(runner), drafter, CostTable.load(tiny_models.cost_table),
-                            EngineConfig(policy="async_topk", update_cost_table=False))
+                            EngineConfig(AdmissionConfig(policy="async_topk"),
+                                         update_cost_table=False))
             done = engine.generate([prompt_ids], SamplingParams(temperature=0), max_tokens)
             cache[key] = done[0].output_ids
         return cache[key]

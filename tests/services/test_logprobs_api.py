@@ -187,14 +187,15 @@ def test_remote_verifier_prefill_rpc_carries_first_token_logprobs(shared_verifie
     """Whole-prompt prefill (`--prefill-chunk-tokens 0`: the Prefill RPC) and plain steps, through
     RemoteVerifier; a count outside 0..20 is the verifier's INVALID_ARGUMENT."""
     from dspark.cost_table import CostTable
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
     from dspark.sampling import SamplingParams
     from dspark.serving.remote_verifier import RemoteVerifier, VerifierRejected
 
     verifier = RemoteVerifier(shared_verifier.address, wait_seconds=30)
     try:
         engine = Engine(verifier, None, CostTable.load(tiny_models.cost_table),
-                        EngineConfig(policy="none", prefill_chunk_tokens=0,
+                        EngineConfig(AdmissionConfig(policy="none"),
+                                     batching=BatchingConfig(prefill_chunk_tokens=0),
                                      update_cost_table=False))
         rid = engine.add_request(PROMPT, SamplingParams(temperature=0.9, seed=2), 6, logprobs=4,
                                  request_id="logprobs-prefill-rpc")

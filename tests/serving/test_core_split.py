@@ -49,3 +49,20 @@ def test_scheduler_cohorts_come_from_its_flags_then_its_environment(monkeypatch)
     monkeypatch.setenv("DSPARK_SCHEDULER_COHORTS", "4")
     assert scheduler_cohorts(["--min-gain", "1.2"]) == 4
     assert scheduler_cohorts(["--cohorts", "2"]) == 2
+
+
+def test_the_package_never_imports_the_services():
+    """dspark is the layer under services/: no module of it imports from services (the
+    scheduler's flags, which core_split reads, live in dspark.serving.config)."""
+    import ast
+    from pathlib import Path
+
+    import dspark
+
+    upward = []
+    for path in Path(dspark.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            upward += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "services"]
+    assert not upward

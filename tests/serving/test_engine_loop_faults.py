@@ -18,7 +18,7 @@ import pytest
 from opentelemetry import trace
 
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.loading import load_method_drafter, load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.cohorts import Cohorts
@@ -43,7 +43,7 @@ def make_engine(models, kv_cache_tokens: int = 4096, **config) -> Engine:
     runner = load_target(models.target_dir, LAYER_IDS, kv_cache_tokens=kv_cache_tokens)
     drafter = load_method_drafter(models.drafter_dir, runner, apply_calibration=True)
     return Engine(TargetVerifier(runner), drafter, CostTable.load(models.cost_table),
-                  EngineConfig(policy="async_topk", update_cost_table=False, **config))
+                  EngineConfig().with_values(policy="async_topk", update_cost_table=False, **config))
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +167,10 @@ def test_requests_beyond_the_kv_cache_wait_instead_of_failing(tiny_models, solo)
     drafter = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
     manager = runner.cache.manager
     engine = Engine(TargetVerifier(runner), drafter, CostTable.load(tiny_models.cost_table),
-                    EngineConfig(policy="async_topk", update_cost_table=False,
-                                 kv_cache_tokens=manager.capacity_tokens,
-                                 kv_block_size=manager.block_size))
+                    EngineConfig(AdmissionConfig(policy="async_topk"),
+                                 batching=BatchingConfig(kv_cache_tokens=manager.capacity_tokens,
+                                                         kv_block_size=manager.block_size),
+                                 update_cost_table=False))
     done = engine.generate(PROMPTS, SamplingParams(temperature=0), MAX_TOKENS)
     assert [r.output_ids for r in done] == [solo[tuple(p)] for p in PROMPTS]
 
@@ -242,7 +243,7 @@ def test_rounds_that_overflow_the_kv_cache_preempt_and_lose_nothing(tiny_models,
     runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=48)
     drafter = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.load(tiny_models.cost_table),
-                    EngineConfig(policy="async_topk", update_cost_table=False))
+                    EngineConfig(AdmissionConfig(policy="async_topk"), update_cost_table=False))
     metrics = RecordingMetrics()
     loop = start_loop(engine, InMemoryRequestStore(), metrics)
     try:

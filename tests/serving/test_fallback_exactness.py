@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.remote_drafter import fallback_blocks
@@ -35,7 +35,8 @@ class FallbackDrafter:
 def engine(tiny_models, policy: str) -> Engine:
     runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=16384)
     return Engine(TargetVerifier(runner), FallbackDrafter(), CostTable.load(tiny_models.cost_table),
-                  EngineConfig(policy=policy, max_running=64, update_cost_table=False))
+                  EngineConfig(AdmissionConfig(policy=policy), batching=BatchingConfig(max_running=64),
+                               update_cost_table=False))
 
 
 def exact_first_two(tiny_models, prompt: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ the request's greedy output generated alone."""
 from __future__ import annotations
 
 from dspark.cost_table import CostTable
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import AdmissionConfig, Engine, EngineConfig
 from dspark.loading import load_method_drafter, load_target
 from dspark.sampling import SamplingParams
 from dspark.serving.local_stack import wait_grpc
@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0)
 def engine_on(verifier, models, runner) -> Engine:
     drafter = load_method_drafter(models.drafter_dir, runner, apply_calibration=True)
     return Engine(verifier, drafter, CostTable.load(models.cost_table),
-                  EngineConfig(policy="async_topk", update_cost_table=False))
+                  EngineConfig(AdmissionConfig(policy="async_topk"), update_cost_table=False))
 
 
 def test_an_engine_preempts_when_the_verifier_process_is_full(launcher, tiny_models):

@@ -3,6 +3,7 @@ values (a real MeterProvider with the SDK's in-memory reader)."""
 
 from __future__ import annotations
 
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
@@ -86,3 +87,35 @@ def test_otel_bridge_exports_the_same_values():
     assert points[("dspark.spec_decode_target_steps_per_second", (("model_name", "tiny"),))] == 100
     assert points[("dspark.round_seconds_total", (("model_name", "tiny"), ("stage", "verify")))] == 0.5
     provider.shutdown()
+
+
+def test_a_step_result_reaches_the_metrics():
+    """record_step reads one engine step's RoundStats: the drafted requests' admitted and
+    accepted drafts, the stage seconds (the rest of the wall time as "other"), a skipped
+    drafting round, preemptions and the round's batch."""
+    from dspark.drafting_gate import RoundMode
+    from dspark.step_result import RoundRecord, RoundStats, StageSeconds
+
+    m = SchedulerMetrics("tiny")
+    drafted = RoundRecord(["a", "b"], None, [3, 0], [2, 0])
+    m.record_step(RoundStats(RoundMode.DRAFT, batch_size=2, batch_tokens=5, capacity=3,
+                             drafts_proposed=8, drafts_admitted=3, drafts_accepted=2,
+                             seconds=StageSeconds(draft=0.25, verify=0.02), drafted=drafted),
+                  wall_seconds=0.5, generated=4, running=2, waiting=1)
+    m.record_step(RoundStats(RoundMode.SKIP, batch_size=2, batch_tokens=2, capacity=0,
+                             preemptions=1, seconds=StageSeconds(verify=0.01)),
+                  wall_seconds=0.25, generated=2, running=2, waiting=0)
+    values = samples(m.render().decode())
+    tiny = (("model_name", "tiny"),)
+
+    def value(name: str, **labels: str) -> float:
+        return values[(name, tuple(sorted((*tiny, *labels.items()))))]
+
+    assert value("dspark:spec_decode_num_draft_tokens_total") == 3
+    assert value("dspark:spec_decode_num_accepted_tokens_total") == 2
+    assert value("dspark:round_seconds_total", stage="draft") == 0.25
+    assert value("dspark:round_seconds_total", stage="other") == pytest.approx(0.23 + 0.24)
+    assert value("dspark:spec_decode_skipped_draft_rounds_total") == 1
+    assert value("dspark:num_preemptions_total") == 1
+    assert value("dspark:spec_decode_target_steps_per_second") == pytest.approx(100.0)
+    assert value("dspark:generation_tokens_total") == 6

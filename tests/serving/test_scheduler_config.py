@@ -33,11 +33,12 @@ def test_engine_flags_reach_the_engine_config():
                    "--prefill-chunk-tokens", "0", "--probe-requests", "2", "--hold-features",
                    "false", "--min-gain", "1.0", "--update-cost-table", "no").engine_config(
                        kv_cache_tokens=1024)
-    assert engine.policy == AdmissionPolicy.parse("fixed:3") and engine.max_running == 5
-    assert engine.sparse_top_k == 8 and engine.prefill_chunk_tokens == 0
-    assert engine.probe_requests == 2 and engine.hold_features is False
-    assert engine.min_gain == 1.0 and engine.update_cost_table is False
-    assert engine.kv_cache_tokens == 1024
+    assert engine.admission.policy == AdmissionPolicy.parse("fixed:3")
+    assert engine.batching.max_running == 5
+    assert engine.sparse_top_k == 8 and engine.batching.prefill_chunk_tokens == 0
+    assert engine.gate.probe_requests == 2 and engine.hold_features is False
+    assert engine.admission.min_gain == 1.0 and engine.update_cost_table is False
+    assert engine.batching.kv_cache_tokens == 1024
 
 
 def test_min_gain_below_one_is_refused():

@@ -1,0 +1,62 @@
+"""One request's state in the engine: its prompt, sampling, output so far and how far the
+target has read it (`Request`), and its speculative-decoding figures (`RequestMetrics`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from dspark.sampling import SamplingParams
+
+
+@dataclass
+class RequestMetrics:
+    """Speculative-decoding figures of one request."""
+
+    rounds: int = 0
+    drafts_verified: int = 0
+    drafts_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    """[gamma] how often position k was accepted."""
+    verified_per_position: list[int] = field(default_factory=list)
+    """[gamma] how often position k was verified."""
+
+    @property
+    def tau(self) -> float:
+        """Tokens per round (accepted drafts + 1)."""
+        return (self.drafts_accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class Request:
+    request_id: Hashable
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    """Prompt tokens the target has read so far (chunked prefill)."""
+    finished: bool = False
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    logprobs: int | None = None
+    """Report the target's log-probability of each output token with this many top
+    alternatives (dspark.logprobs); None = none."""
+    recomputing: bool = False
+    """Preempted after it had output: the target re-reads `tokens_to_read` (prompt and output
+    before the anchor) and samples nothing; it runs again from its anchor."""
+
+    @property
+    def anchor_position(self) -> int:
+        """Position of the last produced token (the anchor): the target holds everything before."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def tokens_to_read(self) -> list[int]:
+        """What the target reads before the request runs: its prompt, or when recomputing
+        everything before its anchor."""
+        return self.prompt_ids + self.output_ids[:-1] if self.recomputing else self.prompt_ids

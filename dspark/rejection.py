@@ -144,6 +144,11 @@ class RandomDraws:
     accept_uniform: torch.Tensor  # [num_drafts] in [0, 1)
     sample_uniform: torch.Tensor  # [num_requests] in [0, 1)
 
+    def to(self, device: torch.device | str) -> "RandomDraws":
+        """The same draws on `device` (drawn on the host, used where the logits are)."""
+        return RandomDraws(self.accept_uniform.to(device, non_blocking=True),
+                           self.sample_uniform.to(device, non_blocking=True))
+
 
 @dataclass
 class VerifyResult:

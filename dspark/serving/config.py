@@ -112,7 +112,7 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
     hidden_layer_ids: str = _field("", "comma-separated target layers to return (overrides "
                                        "--drafter-dir); 'none' = no features")
     dtype: str = _field("float32", "float32 | bfloat16")
-    device: str = _field("cpu", "torch device (cpu, cuda, auto)")
+    device: str = _field("auto", "torch device: auto (CUDA when available), cpu, cuda, cuda:N")
     kv_cache_tokens: int = _field(65536, "KV cache capacity in tokens, shared by all requests")
     max_context_tokens: int = _field(4096, "longest prompt + output of one request")
     cost_table: str = _field("", "SPS(B) table JSON; default: measured at start-up")
@@ -147,7 +147,7 @@ class DrafterServiceConfig(TracingFields, InternalTokenFields):
                                 "shares (default: the prepared SmolLM2)")
     drafter_dir: str = _field("", "drafter checkpoint folder (default: the shipped one)")
     dtype: str = _field("float32", "float32 | bfloat16")
-    device: str = _field("cpu", "torch device (cpu, cuda, auto)")
+    device: str = _field("auto", "torch device: auto (CUDA when available), cpu, cuda, cuda:N")
     threads: int = _field(1, "torch CPU threads")
     grace_seconds: float = _field(5.0, "on SIGTERM, seconds to finish in-flight rounds")
     idle_expiry_seconds: float = _field(600.0, "free a request's context after this long without "

@@ -5,10 +5,11 @@ and resolves it here (`resolve_device`), once: `auto` is the first CUDA device w
 `torch.cuda.is_available()`, else the CPU. Asking for CUDA where there is none fails at once
 with a message instead of at the first tensor.
 
-KV cache size by device (`default_kv_cache_tokens`): on a CPU the caller's own CPU default
-(16,384 tokens for a runner, 65,536 for the verifier service); on CUDA the tokens that
-KV_CACHE_FREE_FRACTION of the device's free memory holds after the weights are loaded
-(2 * layers * kv_heads * head_dim * dtype bytes per token), at most CUDA_MAX_KV_CACHE_TOKENS.
+KV cache size by device (`default_kv_cache_tokens`, `kv_cache_tokens_for`): on a CPU the
+caller's own CPU default (16,384 tokens for a runner, 65,536 for the verifier service); on CUDA
+the tokens that KV_CACHE_FREE_FRACTION of the device's free memory holds once the weights are
+there (the checkpoint's size in the run's dtype is subtracted before they load), at
+2 * layers * kv_heads * head_dim * dtype bytes per token, at most CUDA_MAX_KV_CACHE_TOKENS.
 """
 
 from __future__ import annotations
@@ -65,11 +66,32 @@ def device_kind(device: str | torch.device) -> str:
 
 
 def default_kv_cache_tokens(device: str | torch.device, *, num_layers: int, num_kv_heads: int,
-                            head_dim: int, dtype: torch.dtype, cpu_tokens: int) -> int:
-    """The KV cache capacity in tokens a runner on `device` gets unless told (module doc)."""
+                            head_dim: int, dtype: torch.dtype, cpu_tokens: int,
+                            reserved_bytes: int = 0) -> int:
+    """The KV cache capacity in tokens a runner on `device` gets unless told (module doc);
+    `reserved_bytes`: memory still to be taken by weights that are not loaded yet."""
     d = torch.device(device)
     if d.type != "cuda":
         return cpu_tokens
     free, _ = torch.cuda.mem_get_info(d)
     per_token = 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    return max(1024, min(CUDA_MAX_KV_CACHE_TOKENS, int(free * KV_CACHE_FREE_FRACTION) // per_token))
+    usable = max(0, free - reserved_bytes) * KV_CACHE_FREE_FRACTION
+    return max(1024, min(CUDA_MAX_KV_CACHE_TOKENS, int(usable) // per_token))
+
+
+def kv_cache_tokens_for(device: str, model_dir, dtype: torch.dtype, cpu_tokens: int) -> int:
+    """default_kv_cache_tokens for the Hugging Face checkpoint in `model_dir`, before it loads."""
+    import json
+    from pathlib import Path
+
+    folder = Path(model_dir)
+    config = json.loads((folder / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    on_disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    bits = torch.finfo(dtype).bits
+    weights = on_disk * bits // 32 if on_disk else 0  # checkpoints are float32 or narrower
+    return default_kv_cache_tokens(device, num_layers=config["num_hidden_layers"],
+                                   num_kv_heads=config.get("num_key_value_heads", heads),
+                                   head_dim=head_dim, dtype=dtype, cpu_tokens=cpu_tokens,
+                                   reserved_bytes=max(weights, on_disk // 2))

@@ -184,10 +184,11 @@ class TargetVerifier:
         admitted = [_on_device(r.block, device) for r in requests if r.block is not None and r.num_drafts > 0]
         mixed = len({b.is_sparse for b in admitted}) > 1
         blocks = iter(admitted)
+        host_drafts = iter(_host_tokens(requests, admitted))
         for req in requests:
             n = req.num_drafts if req.block is not None else 0
             block = next(blocks) if n else None  # the admitted block, on the device
-            drafts = req.block.tokens[:n].tolist() if n else []
+            drafts = next(host_drafts) if n else []
             if n:
                 tokens.append(block.tokens[:n])
                 if mixed and block.is_sparse:
@@ -210,12 +211,12 @@ class TargetVerifier:
 
         num_accepted, output_tokens, features, logprobs = [], [], [], None
         if requests:
-            draft_lens = torch.tensor(lens, dtype=torch.int64).to(device, non_blocking=True)
+            draft_lens = torch.tensor(lens, dtype=torch.int64)  # [R] on the host: verify moves it
             if indices and len(indices) != len(tokens):
                 raise ValueError("a batch mixes sparse and dense draft distributions")
             if indices and (shared := _shared_support(indices)) is not None:
                 # Every block over the drafter's reduced vocabulary: one row of ids for all.
-                draft_probs = SparseDraftProbs(shared.expand(int(draft_lens.sum()), -1),
+                draft_probs = SparseDraftProbs(shared.expand(sum(lens), -1),
                                                torch.cat(probs))
             elif indices:
                 # Supports of different widths (greedy k = 1 beside a top_k request's k) are
@@ -234,11 +235,9 @@ class TargetVerifier:
                 target_logits=out.logits[:verify_rows], sampling=[r.sampling for r in requests])
             if self.batch_observer is not None:
                 self.batch_observer(batch)
-            draws = draw_uniforms(torch.tensor(lens, dtype=torch.int64),
-                                  [r.generator for r in requests])
+            draws = draw_uniforms(draft_lens, [r.generator for r in requests])
             result = verify(batch, draws.to(device), self.rule)
-            num_accepted = result.num_accepted.tolist()
-            output_tokens = result.output_tokens(batch)
+            num_accepted, output_tokens = result.to_host(batch)  # one device-to-host copy
             logprobs = _output_logprobs(requests, lens, output_tokens, batch.target_logits)
             for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
                 self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
@@ -343,6 +342,24 @@ def _shared_support(indices: Sequence[torch.Tensor]) -> torch.Tensor | None:
            for i in indices[1:]):
         return None
     return first[0]
+
+
+def _host_tokens(requests: Sequence[VerifyRequest], admitted: Sequence[DraftBlock]
+                 ) -> list[list[int]]:
+    """The admitted drafts of each request that has some, as host ints, in one transfer (the
+    blocks as they came when every one is on the host already, else their device copies)."""
+    given = [r.block.tokens[:r.num_drafts] for r in requests
+             if r.block is not None and r.num_drafts > 0]
+    if not given:
+        return []
+    if any(t.device.type != "cpu" for t in given):
+        given = [b.tokens[:t.shape[0]] for b, t in zip(admitted, given)]
+    flat = torch.cat(given).tolist()  # [sum l_r]: one device-to-host copy
+    out, start = [], 0
+    for t in given:
+        out.append(flat[start:start + t.shape[0]])
+        start += t.shape[0]
+    return out
 
 
 def _on_device(block: DraftBlock, device: torch.device) -> DraftBlock:

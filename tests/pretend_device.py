@@ -15,7 +15,7 @@ written by advanced indexing must be on the indexed tensor's device).
 Synchronisations: reading a device tensor's values on the host (`item`, `tolist`, `bool()`,
 `int()`, `float()`, `__index__`, `numpy`, `.cpu()` / `.to(cpu)`) and the ops whose output shape
 depends on device values (`nonzero`, boolean-mask indexing, `masked_select`, `unique`,
-`repeat_interleave` without output_size) are counted in `syncs` (and by name in `sync_calls`).
+`repeat_interleave` without output_size; a host mask costs nothing) are counted in `syncs` (and by name in `sync_calls`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,23 @@ def _descriptor(func):
 
 
 _READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__len__"}
-_DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "unique_consecutive", "argwhere",
-                   "nonzero_static"}
+_DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "unique_consecutive", "argwhere"}
 _INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put"}
 _FACTORY_LIKE = {"to", "cuda", "cpu", "new_tensor", "new_zeros", "new_ones", "new_empty",
                  "new_full"}
+
+
+def _caller() -> str:
+    """file:line of the innermost frame of the project's own code (not torch, not this file)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/torch/" not in name and not name.endswith("pretend_device.py"):
+            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
 
 
 class PretendDevice(TorchFunctionMode):
@@ -79,6 +91,8 @@ class PretendDevice(TorchFunctionMode):
         self.syncs = 0
         self.sync_calls: Counter[str] = Counter()
         self.counting = True
+        self.sync_sites: Counter[str] | None = None
+        """Set to a Counter to count syncs by where our code made them (file:line)."""
 
     # -- placing ---------------------------------------------------------------------------
     def place(self, *objs) -> None:
@@ -120,6 +134,8 @@ class PretendDevice(TorchFunctionMode):
         if self.counting:
             self.syncs += 1
             self.sync_calls[what] += 1
+            if self.sync_sites is not None:
+                self.sync_sites[f"{what} at {_caller()}"] += 1
 
     # -- the mode --------------------------------------------------------------------------
     def _is_pretend(self, device) -> bool:
@@ -202,8 +218,7 @@ class PretendDevice(TorchFunctionMode):
             elif name in ("__getitem__", "__setitem__"):
                 index = args[1] if len(args) > 1 else None
                 idx = index if isinstance(index, tuple) else (index,)
-                if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim() > 0
-                       for i in idx):
+                if any(_tagged(i) and i.dtype == torch.bool and i.dim() > 0 for i in idx):
                     self._sync(f"{name}[bool mask]")
         if name == "repeat_interleave" and "output_size" not in kwargs:
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")

@@ -113,7 +113,9 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
                                        "--drafter-dir); 'none' = no features")
     dtype: str = _field("float32", "float32 | bfloat16")
     device: str = _field("auto", "torch device: auto (CUDA when available), cpu, cuda, cuda:N")
-    kv_cache_tokens: int = _field(65536, "KV cache capacity in tokens, shared by all requests")
+    kv_cache_tokens: int = _field(0, "KV cache capacity in tokens, shared by all requests; 0 = "
+                                     "by device: 65536 on a CPU, half the free memory on CUDA "
+                                     "(docs/gpu.md)")
     max_context_tokens: int = _field(4096, "longest prompt + output of one request")
     cost_table: str = _field("", "SPS(B) table JSON; default: measured at start-up")
     threads: int = _field(1, "torch CPU threads")
@@ -128,8 +130,9 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
         _check_port(self.port, "port")
         if self.idle_expiry_seconds < 0:
             raise ValueError("idle_expiry_seconds must be >= 0")
-        if self.kv_cache_tokens < 1 or self.max_context_tokens < 2 or self.threads < 1:
-            raise ValueError("kv_cache_tokens, threads must be >= 1, max_context_tokens >= 2")
+        if self.kv_cache_tokens < 0 or self.max_context_tokens < 2 or self.threads < 1:
+            raise ValueError("kv_cache_tokens must be >= 0 (0: by device), threads >= 1, "
+                             "max_context_tokens >= 2")
         parse_hidden_layer_ids(self.hidden_layer_ids)
         from dspark.rejection import VerificationRule
 

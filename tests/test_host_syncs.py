@@ -5,9 +5,11 @@ engine's runner and drafter on a pretend CUDA device.
 The verifier's part of a round (the target forward, draft-probability packing, sampling,
 rejection and the one copy of the results) makes at most 3 at 1 and at 64 requests, greedy
 and T=1: the admitted draft tokens to the host for the forward's items, the check that every
-draft has probability > 0, and the results (accepted counts, tokens) in one copy. Before this
-was measured at 14 (1 request, greedy) to 17 + R (T=1) including the forward's nonzero per
-layer.
+draft has probability > 0, and the results (accepted counts, tokens) in one copy. Counted the
+same way before (base 8bab729 with the device fixes), the verifier's part made 25 at 1 greedy
+request and 88 at 64 (a copy per drafted block, branches read from the device, a nonzero per
+layer in the padded attention); whole rounds made 27 / 67 at 1 request (greedy / T=1) and
+153 / 193 at 64.
 
 The whole round is bounded at what it makes now (ROUND_BOUNDS); the rest is the drafter's (its
 sampling per position, one context-cache read per request) and the admission's one copy of the

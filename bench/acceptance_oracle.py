@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspark.devices import add_device_argument, resolve_device
 from dspark.calibration import ece_noise_floor, expected_calibration_error, roc_auc
 from dspark.cost_table import CostTable
 from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
@@ -135,6 +136,7 @@ def table(temperature: float, stats: list[dict]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
     parser.add_argument("--checkpoint", type=Path, default=REPO / "checkpoints" / "dspark-markov")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="the target's folder (default: dspark fetch-model's)")
@@ -164,7 +166,8 @@ def main() -> int:
     config = DrafterConfig.load(args.checkpoint)
     kv_tokens = args.max_running * (max(map(len, prompts)) + args.max_tokens + 2 * config.block_size + 16)
     runner = CapturingRunner(load_target(model_dir, tuple(config.target_layer_ids),
-                                         kv_cache_tokens=kv_tokens, device="cpu", dtype="float32"))
+                                         kv_cache_tokens=kv_tokens, device=resolve_device(args.device),
+                                         dtype="float32"))
     drafter = CapturingDrafter(load_method_drafter(args.checkpoint, runner.runner, apply_calibration=True))
     gamma = drafter.gamma
     results = {}

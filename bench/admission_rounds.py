@@ -41,6 +41,7 @@ from closed_loop import drive  # noqa: E402
 from target_decode import chat_prompts  # noqa: E402
 
 from dspark.admission import survival_probs  # noqa: E402
+from dspark.devices import add_device_argument, resolve_device  # noqa: E402
 from dspark.cost_table import CostTable  # noqa: E402
 from dspark.cpu_info import cpu_description  # noqa: E402
 from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig  # noqa: E402
@@ -158,6 +159,7 @@ def summarise(rounds: list[Round]) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
     parser.add_argument("--drafter-dir", type=Path, default=REPO_ROOT / "checkpoints" / "dspark-markov")
     parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
@@ -189,7 +191,7 @@ def main() -> int:
     runs: dict[str, list[LoopResult]] = {p: [] for p in policies}
     for _ in range(args.repeats):
         for policy in policies:  # a fresh target and drafter a run: nothing cached carries over
-            runner = load_target(model_dir, layer_ids, kv_cache_tokens=kv_tokens, dtype=args.dtype)
+            runner = load_target(model_dir, layer_ids, kv_cache_tokens=kv_tokens, dtype=args.dtype, device=resolve_device(args.device))
             drafter = load_method_drafter(args.drafter_dir, runner, apply_calibration=True)
             table = table or startup_cost_table(runner)
             config = EngineConfig(AdmissionConfig(policy=policy),

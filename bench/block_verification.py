@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.devices import add_device_argument, resolve_device
 from dspark.block_verification import stop_probabilities
 from dspark.cpu_info import cpu_line
 from dspark.evaluation.acceptance import CollectConfig, collect_records
@@ -79,6 +80,7 @@ def verify_ms(batches: list[VerifyBatch], rule: VerificationRule, repeats: int) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
@@ -103,7 +105,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = DrafterConfig.load(args.checkpoint)
     runner = load_target(model_dir, tuple(config.target_layer_ids),
-                         kv_cache_tokens=args.max_running * 4096, dtype=args.dtype)
+                         kv_cache_tokens=args.max_running * 4096, dtype=args.dtype, device=resolve_device(args.device))
     drafter = load_method_drafter(args.checkpoint, runner)
     verify_len = args.verify_len or drafter.gamma
     if not 1 <= verify_len <= drafter.gamma:

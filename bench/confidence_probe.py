@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from acceptance_oracle import REPO, CapturingDrafter, CapturingRunner
+from dspark.devices import add_device_argument, resolve_device
 from dspark.calibration import roc_auc
 from dspark.cost_table import CostTable
 from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
@@ -124,6 +125,7 @@ def scalar_features(d: dict[str, np.ndarray]) -> np.ndarray:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
     parser.add_argument("--checkpoint", type=Path, default=REPO / "checkpoints" / "dspark-markov")
     parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "smollm2_answers.jsonl.gz")
@@ -157,7 +159,7 @@ def main() -> int:
     longest = max(len(p) for prompts in sets.values() for p in prompts)
     runner = CapturingRunner(load_target(model_dir, tuple(config.target_layer_ids),
                                          kv_cache_tokens=8 * (longest + args.max_tokens + 32),
-                                         device="cpu", dtype="float32"))
+                                         device=resolve_device(args.device), dtype="float32"))
     inner = load_method_drafter(args.checkpoint, runner.runner)  # raw head: a probe refits its map
     if getattr(inner, "confidence_head", None) is None:
         print(f"confidence_probe: {args.checkpoint} has no confidence head", file=sys.stderr)

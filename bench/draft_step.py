@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_breakdown import ATTENTION_OPS, MATMUL_OPS  # noqa: E402
 from target_decode import chat_prompts  # noqa: E402
 
+from dspark.devices import add_device_argument, resolve_device  # noqa: E402
 from dspark.cpu_info import cpu_line  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.loading import load_method_drafter, load_target  # noqa: E402
@@ -73,6 +74,7 @@ def profile_split(drafter, prompts: list[list[int]], temperature: float, rounds:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
@@ -98,7 +100,7 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     runner = load_target(model_dir, layer_ids, kv_cache_tokens=len(prompts) * 1024,
-                         dtype="float32")
+                         dtype="float32", device=resolve_device(args.device))
     features = prompt_features(runner, prompts)
     for dtype in args.dtypes.split(","):
         drafter = load_method_drafter(args.checkpoint, runner, apply_calibration=True,

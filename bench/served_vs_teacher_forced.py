@@ -25,6 +25,7 @@ import json
 import numpy as np
 import torch
 
+from dspark.devices import add_device_argument, resolve_device
 from dspark.evaluation.acceptance import CollectConfig, collect_records
 from dspark.fetch import ensure_model
 from dspark.loading import load_method_drafter, load_target
@@ -63,6 +64,7 @@ def teacher_forced_accepted(model, teacher: TargetTeacher, prompt: list[int], ou
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
     parser.add_argument("--checkpoint", default="checkpoints/dspark-markov")
     parser.add_argument("--model-dir", default=None, help="the target's folder (default: dspark fetch-model's)")
     parser.add_argument("--data", default="data/answers/greedy.jsonl.gz", help="prompts of this answers file")
@@ -76,7 +78,7 @@ def main() -> int:
     prompts = heldout_prompts(args.data, args.split, args.prompts)
     layer_ids = tuple(DrafterConfig.load(args.checkpoint).target_layer_ids)
 
-    runner = load_target(target_dir, layer_ids, kv_cache_tokens=16 * 1024, dtype="float32")
+    runner = load_target(target_dir, layer_ids, kv_cache_tokens=16 * 1024, dtype="float32", device=resolve_device(args.device))
     served = load_method_drafter(args.checkpoint, runner)
     gamma = served.gamma
     result = collect_records(TargetVerifier(runner), served, prompts,

@@ -71,6 +71,10 @@ JSON format (written by ``dspark profile``)::
     {"batch_tokens": [1, 2, ...], "step_seconds": [...], "meta": {...}, "draft_seconds": 0.0}
 
 ``draft_seconds`` is optional on input (default 0.0).
+
+A table is valid for one model, dtype and device kind only (a CPU's step times say nothing of a
+GPU's): its default file, :func:`default_cost_table_path`, names all three, and ``dspark
+profile`` records them in ``meta``.
 """
 
 from __future__ import annotations
@@ -454,6 +458,21 @@ class CostTable:
             self.draft_seconds = seconds
         else:
             self.draft_seconds = (1.0 - w) * self.draft_seconds + w * seconds
+
+
+def cost_table_name(model: str, dtype: str, device_kind: str) -> str:
+    """The file name of the table for one model, dtype and device kind
+    (dspark.devices.device_kind: "cpu", "cuda-nvidia-h100-80gb-hbm3", ...)."""
+    safe = lambda s: "".join(c if c.isalnum() or c in "-._" else "-" for c in str(s))  # noqa: E731
+    return f"cost_table_{safe(model)}_{safe(dtype)}_{safe(device_kind)}.json"
+
+
+def default_cost_table_path(home: str | Path, model: str, dtype: str, device: str) -> Path:
+    """Where `dspark profile` writes, and `dspark generate` reads, the table of `model` in
+    `dtype` on `device` (a resolved torch device: "cpu", "cuda:0")."""
+    from dspark.devices import device_kind
+
+    return Path(home) / cost_table_name(model, dtype, device_kind(device))
 
 
 def _check_count(value: int, what: str) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dspark.admission import AdmissionPolicy
+from dspark.devices import add_device_argument, resolve_device
 from dspark.drafter_choice import drafter_dir_or_shipped
 from dspark.paths import DEFAULT_DRAFTER
 from dspark.sampling import SamplingParams
@@ -50,6 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how sampled drafts are accepted: token by token, or the whole block "
                              "at once (both exact; greedy is the same under both)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,11 +61,13 @@ def run(args: argparse.Namespace) -> int:
         policy = AdmissionPolicy.parse(args.policy)
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        device = resolve_device(args.device)
     except ValueError as e:
         log(f"dspark generate: {e}")
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    from dspark.cost_table import default_cost_table_path
     from dspark.fetch import dspark_home, ensure_model
     from dspark.loading import load_engine
 
@@ -71,9 +75,10 @@ def run(args: argparse.Namespace) -> int:
     drafter_dir = drafter_dir_or_shipped(args.drafter)
     if args.drafter is None and drafter_dir is None and policy.drafts:
         log(f"no drafter checkpoint (looked for {DEFAULT_DRAFTER}): decoding with the target only")
-    cost_table = args.cost_table or (dspark_home() / f"cost_table_{Path(model_dir).name}_{args.dtype}.json")
+    cost_table = args.cost_table or default_cost_table_path(dspark_home(), Path(model_dir).name,
+                                                            args.dtype, device)
     engine, tokenizer = load_engine(Path(model_dir), drafter_dir, args.policy, args.dtype,
-                                    cost_table, verification=args.verification)
+                                    cost_table, verification=args.verification, device=device)
 
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],

@@ -26,6 +26,7 @@ from dspark.admission import AdmissionPolicy
 from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
 from dspark.cost_table import CostTable
 from dspark.cpu_info import cpu_description
+from dspark.devices import resolve_device  # noqa: F401 (the services and CLIs import it here)
 from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.draft_types import Drafter
@@ -41,13 +42,6 @@ def is_checkpoint(folder: Path) -> bool:
     """A drafter folder: config.json and at least one safetensors file."""
     folder = Path(folder)
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
-
-
-def resolve_device(device: str) -> str:
-    """`auto` -> cuda when available, else cpu."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def load_target(model_dir: str | Path, hidden_layer_ids: tuple[int, ...], *,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.cost_table import CostTable
+from dspark.cost_table import CostTable, default_cost_table_path
+from dspark.devices import add_device_argument, device_kind, resolve_device
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.step_timing import measure_step_seconds
 
@@ -45,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="target model folder (default: dspark fetch-model's)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="cpu")
+    add_device_argument(parser)
     parser.add_argument("--max-batch", type=int, default=64, help="largest B measured")
     parser.add_argument("--step", type=int, default=1, help="measure B = 1, 1+step, ... (and max-batch)")
     parser.add_argument("--context-len", type=int, default=300, help="KV cache tokens per request")
@@ -54,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="cost table JSON (default: $DSPARK_HOME/cost_table_<model>_<dtype>.json); "
+                        help="cost table JSON (default: $DSPARK_HOME/cost_table_<model>_<dtype>_<device kind>.json); "
                              "the plot goes beside it as .png")
 
 
@@ -66,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model_dir or ensure_model()
-    out = args.out or dspark_home() / f"cost_table_{Path(model_dir).name}_{args.dtype}.json"
+    args.device = resolve_device(args.device)
+    out = args.out or default_cost_table_path(dspark_home(), Path(model_dir).name, args.dtype,
+                                              args.device)
     batch_sizes = sorted(set(range(1, args.max_batch + 1, args.step)) | {args.max_batch})
     runner = TargetRunner(model_dir, RunnerConfig(
         device=args.device, dtype=args.dtype,
@@ -77,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                                    args.repeats, args.warmup)
     table = CostTable(batch_sizes, seconds, meta={
         "model": Path(model_dir).name, "dtype": args.dtype, "device": args.device,
+        "device_kind": device_kind(args.device),
         "context_len": args.context_len, "requests": args.requests, "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0],
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -33,6 +33,7 @@ accepted drafts in expectation. Greedy requests follow the token rule under both
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence, Union
@@ -101,7 +102,7 @@ class VerifyBatch:
     """Everything one verification step needs, for all requests at once."""
 
     draft_tokens: torch.Tensor  # [num_drafts] int64, requests in order
-    draft_lens: torch.Tensor  # [num_requests] int64, l_r >= 0
+    draft_lens: torch.Tensor  # [num_requests] int64, l_r >= 0, on the host (verify copies it)
     draft_probs: DraftProbs  # [num_drafts, vocab_size] dense, or SparseDraftProbs
     target_logits: torch.Tensor  # [num_drafts + num_requests, vocab_size]
     sampling: Sequence[SamplingParams]  # [num_requests]
@@ -144,6 +145,11 @@ class RandomDraws:
     accept_uniform: torch.Tensor  # [num_drafts] in [0, 1)
     sample_uniform: torch.Tensor  # [num_requests] in [0, 1)
 
+    def to(self, device: torch.device | str) -> "RandomDraws":
+        """The same draws on `device` (drawn on the host, used where the logits are)."""
+        return RandomDraws(self.accept_uniform.to(device, non_blocking=True),
+                           self.sample_uniform.to(device, non_blocking=True))
+
 
 @dataclass
 class VerifyResult:
@@ -152,10 +158,21 @@ class VerifyResult:
 
     def output_tokens(self, batch: VerifyBatch) -> list[list[int]]:
         """Per request: the accepted drafts, then the recovered or bonus token."""
-        starts = batch.draft_start().tolist()
-        drafts = batch.draft_tokens.tolist()
-        return [drafts[s:s + n] + [t] for s, n, t in
-                zip(starts, self.num_accepted.tolist(), self.next_tokens.tolist())]
+        return self.to_host(batch)[1]
+
+    def to_host(self, batch: VerifyBatch) -> tuple[list[int], list[list[int]]]:
+        """(num_accepted [R], output tokens per request: the accepted drafts, then the recovered
+        or bonus token), read from the device in one copy."""
+        r = batch.num_requests
+        lens = batch.draft_lens.tolist()
+        flat = torch.cat([self.num_accepted, self.next_tokens,
+                          batch.draft_tokens.to(self.num_accepted.device)]).tolist()
+        accepted, nexts, drafts = flat[:r], flat[r:2 * r], flat[2 * r:]
+        out, start = [], 0
+        for n, length, t in zip(accepted, lens, nexts):
+            out.append(drafts[start:start + n] + [t])
+            start += length
+        return accepted, out
 
 
 def draw_uniforms(draft_lens: torch.Tensor,
@@ -210,33 +227,47 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
 
 def verify(batch: VerifyBatch, draws: RandomDraws,
            rule: VerificationRule = VerificationRule.TOKEN) -> VerifyResult:
-    """Batched lossless rejection sampling over a flattened batch (the fast path)."""
-    draft_lens = batch.draft_lens
+    """Batched lossless rejection sampling over a flattened batch (the fast path).
+
+    Branches are chosen from what the host knows (draft lengths, sampling params), not by
+    reading the device: at the token rule the only device read is the check that every draft
+    has probability > 0 (and the nucleus search of top_p rows)."""
+    lens = batch.draft_lens.tolist()  # [R] host ints (draft_lens lives on the host)
     num_requests, vocab_size = batch.num_requests, batch.vocab_size
+    num_drafts = sum(lens)
     device = batch.target_logits.device
+    draft_lens = batch.draft_lens.to(device, non_blocking=True)  # [num_requests]
     request_ids = torch.arange(num_requests, device=device)
-    draft_start = batch.draft_start()  # [num_requests]
-    req_of_draft = torch.repeat_interleave(request_ids, draft_lens)  # [num_drafts]
-    draft_rows = torch.arange(req_of_draft.shape[0], device=device)  # [num_drafts]
+    draft_start = torch.cumsum(draft_lens, 0) - draft_lens  # [num_requests]
+    req_of_draft = torch.repeat_interleave(request_ids, draft_lens,
+                                           output_size=num_drafts)  # [num_drafts]
+    draft_rows = torch.arange(num_drafts, device=device)  # [num_drafts]
     pos_in_request = draft_rows - draft_start[req_of_draft]  # [num_drafts], 0-based k-1
     target_row_of_draft = draft_rows + req_of_draft  # [num_drafts]
 
     # p^t_k(x_k) for every draft the token rule tests, without building the full distributions
     # of accepted rows (under the block rule: the greedy requests' drafts only).
     request_sampling = SamplingTensors.from_params(batch.sampling, device=device)
+    is_greedy = [p.is_greedy for p in batch.sampling]  # [R] host
     greedy = request_sampling.temperature == 0.0  # [num_requests]
     sampled = ~greedy
-    by_blocks = rule is VerificationRule.BLOCK and bool(sampled.any())
-    tested = greedy[req_of_draft] if by_blocks else None  # [num_drafts] bool, None = all
+    sampled_ids = [r for r, g in enumerate(is_greedy) if not g]
+    by_blocks = rule is VerificationRule.BLOCK and bool(sampled_ids)
     # Every row's argmax, once, when a request is greedy: its drafts' test and its next token.
-    row_argmax = argmax_first(batch.target_logits, dim=1) if bool(greedy.any()) else None
-    draft_sampling = request_sampling.repeat(draft_lens)  # [num_drafts]
+    row_argmax = argmax_first(batch.target_logits, dim=1) if any(is_greedy) else None
+    draft_sampling = request_sampling.repeat(draft_lens, num_drafts)  # [num_drafts]
     p_draft = draft_prob_of_tokens(batch.draft_probs, batch.draft_tokens)  # [num_drafts]
     if bool((p_draft <= 0).any()):
         raise ValueError("a draft token has zero probability under its draft distribution: "
                          "draft_probs must be the distribution the token was sampled from")
     accepted = torch.ones_like(p_draft, dtype=torch.bool)  # [num_drafts]
-    if tested is None or bool(tested.any()):
+    if by_blocks:  # the token rule tests the greedy requests' drafts only
+        starts = [0, *itertools.accumulate(lens)]
+        tested = _host_index([i for r, n in enumerate(lens) if is_greedy[r]
+                              for i in range(starts[r], starts[r] + n)], device)
+    else:
+        tested = None
+    if num_drafts and (tested is None or tested.shape[0]):
         sel = slice(None) if tested is None else tested
         p_target = token_probs_from_logits(
             batch.target_logits, batch.draft_tokens[sel],
@@ -256,21 +287,28 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
                    else torch.zeros(num_requests, dtype=torch.int64, device=device))
     if by_blocks:
         outcome = _verify_sampled_blocks(batch, draws, sampled, p_draft, request_sampling,
-                                         req_of_draft)
+                                         req_of_draft, draft_lens)
         num_accepted[sampled] = outcome.num_accepted
         next_tokens[sampled] = outcome.next_tokens
-    elif bool(sampled.any()):
-        sub = request_sampling.select(sampled)
-        next_dist = probs_from_logits(batch.target_logits[next_rows[sampled]], sub)  # [m, V]
-        rejected = (num_accepted < draft_lens)[sampled]  # [m]
-        if bool(rejected.any()):
-            rejected_draft_rows = (draft_start + num_accepted)[sampled][rejected]
-            next_dist[rejected] = residual_distribution(
-                next_dist[rejected],
-                dense_draft_rows(batch.draft_probs, rejected_draft_rows, vocab_size))
-        next_tokens[sampled] = sample_from_probs(next_dist,
-                                                 draws.sample_uniform.to(device)[sampled])
+    elif sampled_ids:
+        which = _host_index(sampled_ids, device)  # [m]
+        sub = request_sampling.select(which)
+        next_dist = probs_from_logits(batch.target_logits[next_rows[which]], sub)  # [m, V]
+        if any(lens[r] for r in sampled_ids):
+            # The residual at the first rejection, for every sampled request, kept where one
+            # was rejected (no device read of which ones were).
+            rejected = (num_accepted < draft_lens)[which]  # [m]
+            draft_row = (draft_start + num_accepted)[which].clamp_max(num_drafts - 1)  # [m]
+            residual = residual_distribution(
+                next_dist, dense_draft_rows(batch.draft_probs, draft_row, vocab_size))
+            next_dist = torch.where(rejected.unsqueeze(1), residual, next_dist)
+        next_tokens[which] = sample_from_probs(next_dist, draws.sample_uniform.to(device)[which])
     return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+
+
+def _host_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """An index tensor built on the host and copied to `device` (no device read)."""
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def draft_support(draft_probs: DraftProbs, rows: torch.Tensor, vocab_size: int
@@ -302,14 +340,15 @@ def _at_token_columns(values: torch.Tensor, support: torch.Tensor, q_support: to
 
 def _verify_sampled_blocks(batch: VerifyBatch, draws: RandomDraws, sampled: torch.Tensor,
                            p_draft: torch.Tensor, request_sampling: SamplingTensors,
-                           req_of_draft: torch.Tensor) -> BlockOutcome:
+                           req_of_draft: torch.Tensor, draft_lens: torch.Tensor) -> BlockOutcome:
     """Block verification (dspark.block_verification) of the requests where `sampled`
     [num_requests] is True; p_draft [num_drafts]: p^d_k(x_k) of every draft; request_sampling
-    [num_requests]; req_of_draft [num_drafts]: each draft's request. The residual masses read the
+    [num_requests]; req_of_draft [num_drafts]: each draft's request; draft_lens [num_requests]
+    on the logits' device. The residual masses read the
     target's distribution on each draft's support only."""
     device = batch.target_logits.device
     request_ids = torch.arange(batch.num_requests, device=device)
-    lens = batch.draft_lens[sampled]  # [m]
+    lens = draft_lens[sampled]  # [m]
     rows = sampled[req_of_draft].nonzero().squeeze(1)  # [n_d] their draft rows
     target_rows = rows + req_of_draft[rows]  # [n_d] P_i of each draft
     draft_sampling = request_sampling.select(sampled).repeat(lens)  # [n_d]
@@ -325,7 +364,7 @@ def _verify_sampled_blocks(batch: VerifyBatch, draws: RandomDraws, sampled: torc
                                     draws.accept_uniform.to(device)[rows])  # [m]
 
     # The next token: the bonus row when every draft is kept, else the residual at tau.
-    starts = batch.draft_start()[sampled]  # [m] first draft row of each
+    starts = (torch.cumsum(draft_lens, 0) - draft_lens)[sampled]  # [m] first draft row of each
     next_rows = starts + num_accepted + request_ids[sampled]  # [m] target row P_{tau + 1}
     dist = probs_from_logits(batch.target_logits[next_rows], request_sampling.select(sampled))
     cut = num_accepted < lens  # [m]

@@ -72,6 +72,31 @@ class SamplingParams:
         return g
 
 
+@dataclass(frozen=True)
+class SamplingKinds:
+    """What kinds of rows a SamplingTensors may hold, known on the host (from the params), so
+    that the transforms choose their branches without reading the device. An upper bound: a
+    selection of rows keeps its parent's kinds."""
+
+    greedy: bool
+    sampled: bool
+    top_k_max: int
+    """The largest top_k of a sampled row (0: no row filters by top-k)."""
+    top_p: bool
+    """Some sampled row has top_p < 1."""
+    temperature: float | None
+    """The one temperature of every sampled row, None when they differ (or none is sampled)."""
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams]) -> "SamplingKinds":
+        sampled = [p for p in params if not p.is_greedy]
+        temps = {p.temperature for p in sampled}
+        return SamplingKinds(greedy=len(sampled) < len(params), sampled=bool(sampled),
+                             top_k_max=max([p.top_k for p in sampled] or [0]),
+                             top_p=any(p.top_p < 1.0 for p in sampled),
+                             temperature=temps.pop() if len(temps) == 1 else None)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters as tensors, for batched transforms. All shapes [num_rows]."""
@@ -79,6 +104,9 @@ class SamplingTensors:
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int64, 0 = off
     top_p: torch.Tensor  # float32
+    kinds: SamplingKinds | None = None
+    """The kinds of rows present, when known on the host (from_params); None: read them from
+    the tensors (a device synchronisation per branch on a GPU)."""
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams],
@@ -87,17 +115,22 @@ class SamplingTensors:
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        return SamplingTensors(temperature.to(device), top_k.to(device), top_p.to(device))
+        return SamplingTensors(temperature.to(device, non_blocking=True),
+                               top_k.to(device, non_blocking=True),
+                               top_p.to(device, non_blocking=True), SamplingKinds.of(params))
 
     def select(self, rows: torch.Tensor) -> "SamplingTensors":
         """The rows a bool mask or an index tensor picks."""
-        return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+        return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                               self.kinds)
 
-    def repeat(self, counts: torch.Tensor) -> "SamplingTensors":
-        """Row r `counts[r]` times in a row: counts [num_rows] -> [counts.sum()] rows."""
-        return SamplingTensors(self.temperature.repeat_interleave(counts),
-                               self.top_k.repeat_interleave(counts),
-                               self.top_p.repeat_interleave(counts))
+    def repeat(self, counts: torch.Tensor, total: int | None = None) -> "SamplingTensors":
+        """Row r `counts[r]` times in a row: counts [num_rows] -> [counts.sum()] rows (`total`:
+        that sum when the caller knows it, which spares a device read)."""
+        return SamplingTensors(self.temperature.repeat_interleave(counts, output_size=total),
+                               self.top_k.repeat_interleave(counts, output_size=total),
+                               self.top_p.repeat_interleave(counts, output_size=total),
+                               self.kinds)
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -108,6 +141,8 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingTensors) -> torch.
     """
     num_rows, vocab_size = logits.shape
     assert sampling.temperature.shape == (num_rows,), (sampling.temperature.shape, num_rows)
+    if sampling.kinds is not None:
+        return _probs_by_kinds(logits, sampling, sampling.kinds)
     greedy = sampling.temperature == 0.0  # [num_rows]
     probs = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
     if bool(greedy.any()):
@@ -138,6 +173,43 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingTensors) -> torch.
     if all_sampled:
         return sub_probs
     probs[sampled] = sub_probs
+    return probs
+
+
+def _probs_by_kinds(logits: torch.Tensor, sampling: SamplingTensors,
+                    kinds: SamplingKinds) -> torch.Tensor:
+    """probs_from_logits with its branches chosen on the host (`kinds`): greedy rows by a
+    scatter at the argmax, top-k by one top-k of the widest k over every row, a mix of greedy
+    and sampled rows by a select; no device read but the nucleus search (top_p < 1)."""
+    num_rows, vocab_size = logits.shape
+    greedy = sampling.temperature == 0.0  # [num_rows]
+    one_hot = None
+    if kinds.greedy:
+        one_hot = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
+        one_hot.scatter_(1, argmax_first(logits, dim=1).unsqueeze(1), 1.0)
+        if not kinds.sampled:
+            return one_hot
+    # Greedy rows are computed at T = 1 and replaced by their one-hot at the end.
+    temperature = (sampling.temperature if not kinds.greedy
+                   else torch.where(greedy, 1.0, sampling.temperature))
+    if kinds.temperature == 1.0 and not kinds.greedy:
+        scaled = logits.float().clone()  # [n, V]
+    else:
+        scaled = logits.float() / temperature.unsqueeze(1)  # [n, V]
+    if 0 < kinds.top_k_max:
+        top_k = sampling.top_k
+        use_top_k = ~greedy & (top_k > 0) & (top_k < vocab_size)  # [n]
+        k_max = min(kinds.top_k_max, vocab_size)
+        kth_values = torch.topk(scaled, k_max, dim=1).values  # [n, k_max]
+        kth = kth_values.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1))  # [n, 1]
+        scaled = scaled.masked_fill(use_top_k.unsqueeze(1) & (scaled < kth), float("-inf"))
+    probs = torch.softmax(scaled, dim=1)  # [n, V]
+    if kinds.top_p:
+        use_top_p = ~greedy & (sampling.top_p < 1.0)
+        if bool(use_top_p.any()):  # the nucleus search reads the device (_top_p_filter)
+            probs[use_top_p] = _top_p_filter(probs[use_top_p], sampling.top_p[use_top_p])
+    if one_hot is not None:
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
     return probs
 
 
@@ -193,6 +265,19 @@ def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling
     n = tokens.shape[0]
     if rows is None:
         rows = torch.arange(n, device=logits.device)
+    kinds = sampling.kinds
+    if kinds is not None and not kinds.sampled:  # every row greedy: no device read
+        if row_argmax is None:
+            row_argmax = argmax_first(logits, dim=1)  # [num_logit_rows]
+        return (row_argmax[rows] == tokens).float()
+    if (kinds is not None and not kinds.greedy and kinds.top_k_max == 0 and not kinds.top_p
+            and kinds.temperature is not None and n * 2 >= logits.shape[0]):
+        # One temperature, no filter, most of the matrix: log-normalisers of every row in one
+        # pass and the tokens' logits read in place (no copy of vocabulary-sized rows at T = 1).
+        t = kinds.temperature
+        scaled = logits.float() if t == 1.0 else logits.float() / t  # [num_logit_rows, V]
+        lse = torch.logsumexp(scaled, dim=1)  # [num_logit_rows]
+        return torch.exp(scaled[rows, tokens] - lse[rows])
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
     greedy = sampling.temperature == 0.0
     filtered = ~greedy & (((sampling.top_k > 0) & (sampling.top_k < logits.shape[1]))
@@ -278,7 +363,12 @@ def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     # zeros, on a token without mass; such rows fall back to their last token with mass.
     tokens = tokens.clamp_max(vocab_size - 1)
     bad = probs.gather(1, tokens.unsqueeze(1)).squeeze(1) <= 0  # [num_rows]
-    if bool(bad.any()):
-        last_nonzero = vocab_size - 1 - torch.argmax((probs[bad].flip(1) > 0).to(torch.int8), dim=1)
-        tokens[bad] = last_nonzero
-    return tokens
+    if probs.device.type == "cpu":  # reading `bad` costs nothing here; the fix-up is rare
+        if bool(bad.any()):
+            last_nonzero = vocab_size - 1 - torch.argmax((probs[bad].flip(1) > 0).to(torch.int8),
+                                                         dim=1)
+            tokens[bad] = last_nonzero
+        return tokens
+    # On an accelerator, without a device read: every row's last token with mass, selected.
+    last_nonzero = vocab_size - 1 - torch.argmax((probs.flip(1) > 0).to(torch.int8), dim=1)
+    return torch.where(bad, last_nonzero, tokens)

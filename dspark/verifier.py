@@ -180,19 +180,23 @@ class TargetVerifier:
         lens = []
         # The drafter may return some blocks sparse (greedy: k = 1) and others dense (plain
         # sampling); a mixed batch is verified dense: the same distributions, written out.
-        admitted = [r.block for r in requests if r.block is not None and r.num_drafts > 0]
+        device = self.runner.device
+        admitted = [_on_device(r.block, device) for r in requests if r.block is not None and r.num_drafts > 0]
         mixed = len({b.is_sparse for b in admitted}) > 1
+        blocks = iter(admitted)
+        host_drafts = iter(_host_tokens(requests, admitted))
         for req in requests:
             n = req.num_drafts if req.block is not None else 0
-            drafts = req.block.tokens[:n].tolist() if n else []
+            block = next(blocks) if n else None  # the admitted block, on the device
+            drafts = next(host_drafts) if n else []
             if n:
-                tokens.append(req.block.tokens[:n])
-                if mixed and req.block.is_sparse:
-                    probs.append(req.block.dense(self.vocab_size)[:n])
+                tokens.append(block.tokens[:n])
+                if mixed and block.is_sparse:
+                    probs.append(block.dense(self.vocab_size)[:n])
                 else:
-                    probs.append(req.block.probs[:n])
-                    if req.block.indices is not None:
-                        indices.append(req.block.indices[:n])
+                    probs.append(block.probs[:n])
+                    if block.indices is not None:
+                        indices.append(block.indices[:n])
             lens.append(n)
             items.append(ForwardItem(req.request_id, [req.anchor_token] + drafts, logits_from=0))
         # A chunk needs logits only for its last token, and only if the prompt ends there.
@@ -207,12 +211,12 @@ class TargetVerifier:
 
         num_accepted, output_tokens, features, logprobs = [], [], [], None
         if requests:
-            draft_lens = torch.tensor(lens, dtype=torch.int64)
+            draft_lens = torch.tensor(lens, dtype=torch.int64)  # [R] on the host: verify moves it
             if indices and len(indices) != len(tokens):
                 raise ValueError("a batch mixes sparse and dense draft distributions")
             if indices and (shared := _shared_support(indices)) is not None:
                 # Every block over the drafter's reduced vocabulary: one row of ids for all.
-                draft_probs = SparseDraftProbs(shared.expand(int(draft_lens.sum()), -1),
+                draft_probs = SparseDraftProbs(shared.expand(sum(lens), -1),
                                                torch.cat(probs))
             elif indices:
                 # Supports of different widths (greedy k = 1 beside a top_k request's k) are
@@ -222,17 +226,18 @@ class TargetVerifier:
                     torch.cat([_pad_columns(i, width) for i in indices]),  # [num_drafts, width]
                     torch.cat([_pad_columns(p, width) for p in probs]))
             else:
-                draft_probs = torch.cat(probs) if probs else torch.zeros(0, self.vocab_size)
+                draft_probs = (torch.cat(probs) if probs
+                               else torch.zeros(0, self.vocab_size, device=device))
             batch = VerifyBatch(
-                draft_tokens=torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
+                draft_tokens=(torch.cat(tokens) if tokens
+                              else torch.zeros(0, dtype=torch.int64, device=device)),
                 draft_lens=draft_lens, draft_probs=draft_probs,
                 target_logits=out.logits[:verify_rows], sampling=[r.sampling for r in requests])
             if self.batch_observer is not None:
                 self.batch_observer(batch)
-            result = verify(batch, draw_uniforms(draft_lens, [r.generator for r in requests]),
-                            self.rule)
-            num_accepted = result.num_accepted.tolist()
-            output_tokens = result.output_tokens(batch)
+            draws = draw_uniforms(draft_lens, [r.generator for r in requests])
+            result = verify(batch, draws.to(device), self.rule)
+            num_accepted, output_tokens = result.to_host(batch)  # one device-to-host copy
             logprobs = _output_logprobs(requests, lens, output_tokens, batch.target_logits)
             for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
                 self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
@@ -272,8 +277,11 @@ class TargetVerifier:
         first: list[int | None] = [None] * len(prefill)
         logprobs: list[TokenLogprobs | None] | None = None
         if final:
-            probs = probs_from_logits(logits, SamplingTensors.from_params([c.sampling for c in final]))
-            uniforms = torch.cat([torch.rand(1, generator=c.generator) for c in final])  # [F]
+            device = logits.device
+            probs = probs_from_logits(logits, SamplingTensors.from_params(
+                [c.sampling for c in final], device=device))
+            uniforms = torch.cat([torch.rand(1, generator=c.generator)
+                                  for c in final]).to(device, non_blocking=True)  # [F]
             first_tokens = sample_from_probs(probs, uniforms)  # [F]
             sampled = iter(first_tokens.tolist())
             first = [next(sampled) if c.final else None for c in prefill]
@@ -334,6 +342,34 @@ def _shared_support(indices: Sequence[torch.Tensor]) -> torch.Tensor | None:
            for i in indices[1:]):
         return None
     return first[0]
+
+
+def _host_tokens(requests: Sequence[VerifyRequest], admitted: Sequence[DraftBlock]
+                 ) -> list[list[int]]:
+    """The admitted drafts of each request that has some, as host ints, in one transfer (the
+    blocks as they came when every one is on the host already, else their device copies)."""
+    given = [r.block.tokens[:r.num_drafts] for r in requests
+             if r.block is not None and r.num_drafts > 0]
+    if not given:
+        return []
+    if any(t.device.type != "cpu" for t in given):
+        given = [b.tokens[:t.shape[0]] for b, t in zip(admitted, given)]
+    flat = torch.cat(given).tolist()  # [sum l_r]: one device-to-host copy
+    out, start = [], 0
+    for t in given:
+        out.append(flat[start:start + t.shape[0]])
+        start += t.shape[0]
+    return out
+
+
+def _on_device(block: DraftBlock, device: torch.device) -> DraftBlock:
+    """The block with its tensors on `device` (a remote drafter's blocks arrive on the host);
+    the block itself when they are there already."""
+    if block.tokens.device == device and block.probs.device == device:
+        return block
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    return DraftBlock(move(block.tokens), move(block.probs), move(block.confidences),
+                      move(block.indices))
 
 
 def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.devices import add_device_argument
+
 HELDOUT_SPLIT = "heldout"
 
 

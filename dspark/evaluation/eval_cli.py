@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark.devices import add_device_argument
 from dspark.methods import METHODS, VerifyLength, checkpoint_folder, parse_methods
 from dspark.loading import is_checkpoint
 from dspark.paths import CHECKPOINTS_DIR
@@ -84,7 +85,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "the confidences are calibrated to) or block "
                              "(dspark.block_verification)")
     parser.add_argument("--max-running", type=int, default=8, help="prompts generated together")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    add_device_argument(parser)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="target and drafter dtype (default: float32 on CPU, bf16 on CUDA)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

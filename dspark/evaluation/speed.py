@@ -68,6 +68,7 @@ import torch
 
 from dspark.cost_table import ThetaObjective
 from dspark.cpu_info import cpu_line
+from dspark.devices import add_device_argument, resolve_device
 from dspark.methods import checkpoint_folder, parse_names
 from dspark.paths import EVAL_PROMPTS_DIR, require_folder
 
@@ -255,7 +256,8 @@ def hf_generate(model, prompts: Sequence[Sequence[int]], config, pad_id: int) ->
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+        out = model.generate(input_ids=input_ids.to(model.device),
+                             attention_mask=attention_mask.to(model.device),
                              generation_config=config)
     return out[:, width:].tolist()  # [num_prompts, generated]
 
@@ -362,7 +364,8 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     runners, drafters, engines = {}, {}, {}
     base = None
     if engine_rows:
-        base = load_target(model_dir, (), kv_cache_tokens=kv_tokens, device="cpu", dtype=args.dtype)
+        base = load_target(model_dir, (), kv_cache_tokens=kv_tokens, device=args.device,
+                           dtype=args.dtype)
         runners[()] = base
         if args.cost_table is not None:
             table = CostTable.load(args.cost_table)
@@ -380,7 +383,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
             try:
                 if layer_ids not in runners:  # same weights, its own KV cache and hidden layers
                     runners[layer_ids] = TargetRunner(config=RunnerConfig(
-                        dtype=args.dtype, hidden_layer_ids=layer_ids, kv_cache_tokens=kv_tokens),
+                        device=args.device, dtype=args.dtype, hidden_layer_ids=layer_ids, kv_cache_tokens=kv_tokens),
                         model=base.model)
                 key = (folder, spec.drafter_dtype)
                 if key not in drafters:
@@ -419,7 +422,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, args.dtype)).eval()
+            model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         for n in rows:
             if ROWS[n].kind is RowKind.HF_PROMPT_LOOKUP:
                 notes[n] = (f"prompt_lookup_num_tokens={args.prompt_lookup_tokens}; batch 1 only: "
@@ -584,6 +587,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=",".join(ROWS),
                         help=f"rows to run, from {','.join(ROWS)}")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_device_argument(parser)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="of the target and the transformers peers (the drafter: dspark.loading.drafter_dtype)")
     parser.add_argument("--sparse-top-k", type=int, default=None,
@@ -614,6 +618,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--concurrency must be >= 1")
         if args.limit < 1 or args.max_tokens < 1:
             raise ValueError("--limit and --max-tokens must be >= 1")
+        args.device = resolve_device(args.device)
     except ValueError as e:
         print(f"dspark bench: {e}", file=sys.stderr)
         return 2
@@ -627,7 +632,8 @@ def run(args: argparse.Namespace) -> int:
             run_wave(setup, n, c, first[:c], 0.0, min(args.warmup_tokens, args.max_tokens), args,
                      args.seed, None)
 
-    print(f"CPU: {cpu_line()}; torch threads: {torch.get_num_threads()}, dtype: {args.dtype}")
+    print(f"CPU: {cpu_line()}; torch threads: {torch.get_num_threads()}, dtype: {args.dtype}, "
+          f"device: {args.device}")
     tables = []
     for temperature in temperatures:
         for c in concurrencies:

@@ -106,6 +106,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [num_requests] int64 (all on the CPU). With `long_min_q_len` > 0, the rows of a request with at
     least that many new tokens are left unwritten for the caller (`long_query_attention`).
     """
+    off_cpu = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                    ("block_tables", block_tables), ("query_start", query_start),
+                                    ("context_lens", context_lens)) if t.device.type != "cpu"]
+    if off_cpu:  # the kernel reads its tensors through host pointers
+        raise ValueError(f"paged_attention is the CPU kernel: {', '.join(off_cpu)} on "
+                         f"{q.device if 'q' in off_cpu else 'another device'}; on a GPU the "
+                         f"runner uses padded_attention (AttentionImpl.PADDED)")
     ext = _cpu_extension()
     if ext is None:
         raise RuntimeError("the paged attention CPU kernel is not available on this machine")
@@ -184,7 +191,13 @@ def padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=mask, scale=scale)  # [R, KVH, G*Q, D]
     out = out.view(num_requests, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_requests * max_query_len, num_heads, head_dim)
-    return out.index_select(0, torch.nonzero(q_valid.flatten()).flatten())  # [num_tokens, H, D]
+    # Token t of request r sits at padded row r * Q + (t - query_start[r]): found without
+    # reading the device (a nonzero of the mask would wait for it).
+    req_of_token = torch.repeat_interleave(torch.arange(num_requests, device=device), query_lens,
+                                           output_size=num_tokens)  # [num_tokens]
+    row = (req_of_token * max_query_len + torch.arange(num_tokens, device=device)
+           - query_start[req_of_token])  # [num_tokens]
+    return out.index_select(0, row)  # [num_tokens, H, D]
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -116,8 +116,10 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
     hidden_layer_ids: str = _field("", "comma-separated target layers to return (overrides "
                                        "--drafter-dir); 'none' = no features")
     dtype: str = _field("float32", "float32 | bfloat16")
-    device: str = _field("cpu", "torch device (cpu, cuda, auto)")
-    kv_cache_tokens: int = _field(65536, "KV cache capacity in tokens, shared by all requests")
+    device: str = _field("auto", "torch device: auto (CUDA when available), cpu, cuda, cuda:N")
+    kv_cache_tokens: int = _field(0, "KV cache capacity in tokens, shared by all requests; 0 = "
+                                     "by device: 65536 on a CPU, half the free memory on CUDA "
+                                     "(docs/gpu.md)")
     max_context_tokens: int = _field(4096, "longest prompt + output of one request")
     cost_table: str = _field("", "SPS(B) table JSON; default: measured at start-up")
     threads: int = _field(1, "torch CPU threads")
@@ -132,8 +134,9 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
         _check_port(self.port, "port")
         if self.idle_expiry_seconds < 0:
             raise ValueError("idle_expiry_seconds must be >= 0")
-        if self.kv_cache_tokens < 1 or self.max_context_tokens < 2 or self.threads < 1:
-            raise ValueError("kv_cache_tokens, threads must be >= 1, max_context_tokens >= 2")
+        if self.kv_cache_tokens < 0 or self.max_context_tokens < 2 or self.threads < 1:
+            raise ValueError("kv_cache_tokens must be >= 0 (0: by device), threads >= 1, "
+                             "max_context_tokens >= 2")
         parse_hidden_layer_ids(self.hidden_layer_ids)
         from dspark.rejection import VerificationRule
 
@@ -151,7 +154,7 @@ class DrafterServiceConfig(TracingFields, InternalTokenFields):
                                 "shares (default: the prepared SmolLM2)")
     drafter_dir: str = _field("", "drafter checkpoint folder (default: the shipped one)")
     dtype: str = _field("float32", "float32 | bfloat16")
-    device: str = _field("cpu", "torch device (cpu, cuda, auto)")
+    device: str = _field("auto", "torch device: auto (CUDA when available), cpu, cuda, cuda:N")
     threads: int = _field(1, "torch CPU threads")
     grace_seconds: float = _field(5.0, "on SIGTERM, seconds to finish in-flight rounds")
     idle_expiry_seconds: float = _field(600.0, "free a request's context after this long without "

@@ -22,6 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from dspark.devices import add_device_argument
 from dspark.serving.local_stack import ServiceProcess, wait_grpc, wait_http
 
 
@@ -40,7 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verification", default="token", choices=["token", "block"],
                         help="how the verifier accepts sampled requests' drafts: token by token "
                              "or the whole block at once (both exact)")
-    parser.add_argument("--device", default="cpu")
+    add_device_argument(parser, help_suffix="; the verifier's and the drafter's (docs/gpu.md)")
     parser.add_argument("--verifier-threads", type=int, default=0,
                         help="torch threads of the verifier (0: all the cores, or those the "
                              "drafter leaves with several --cohorts)")

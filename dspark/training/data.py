@@ -37,6 +37,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from dspark.devices import add_device_argument, resolve_device
 from dspark.paths import TRAIN_PROMPTS_DIR, require_folder
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
 
@@ -230,9 +231,10 @@ def generate_answers(runner, prompts: list[tuple[str, list[int]]], *, max_new_to
                 items.append(ForwardItem(key, [answer[-1]], logits_from=0))
         out = runner.forward(items)  # one logit row per item, in item order
         if row_params is None or row_params.temperature.shape[0] != len(items):
-            row_params = SamplingTensors.from_params([sampling] * len(items))
+            row_params = SamplingTensors.from_params([sampling] * len(items), out.logits.device)
         probs = probs_from_logits(out.logits, row_params)  # [num_items, vocab_size]
-        tokens = sample_from_probs(probs, torch.rand(len(items), generator=generator)).tolist()
+        uniforms = torch.rand(len(items), generator=generator).to(probs.device)  # [num_items]
+        tokens = sample_from_probs(probs, uniforms).tolist()
         for item, token in zip(items, tokens):
             answer = active[item.request_id]
             answer.append(token)
@@ -326,7 +328,7 @@ def run_generation(config: DataGenConfig) -> dict:
             deadline=deadline)
     else:
         runner = TargetRunner(config.model_dir, RunnerConfig(
-            dtype=config.dtype, kv_cache_tokens=config.batch_size * 2048))
+            device=config.device, dtype=config.dtype, kv_cache_tokens=config.batch_size * 2048))
         answers = generate_answers(
             runner, encoded, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
             sampling=config.sampling, eos_token_ids=eos,
@@ -381,7 +383,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="runner", choices=ENGINES,
                         help="runner: our target runner (CPU); transformers: batched generate "
                              "(the fast path on a GPU)")
-    parser.add_argument("--device", default="cpu", help="device of the transformers engine")
+    add_device_argument(parser, help_suffix="; the runner engine and the transformers one alike")
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="stop starting new answers after this many seconds")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -411,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
                            out=args.out, num_prompts=args.num_prompts,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                            heldout_fraction=args.heldout_fraction, seed=args.seed, dtype=args.dtype,
-                           engine=args.engine, device=args.device,
+                           engine=args.engine, device=resolve_device(args.device),
                            time_budget_s=args.time_budget_s,
                            sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                                    top_k=args.top_k),

@@ -1,5 +1,5 @@
-"""`python -m services.drafter`: load the drafter (sharing the target's embedding and LM head)
-and serve `dspark.v1.Drafter`."""
+"""`python -m services.drafter`: load the drafter (with the target's embedding and LM head, and
+nothing else of the target) and serve `dspark.v1.Drafter`."""
 
 from __future__ import annotations
 
@@ -31,12 +31,34 @@ def build_servicer(config: DrafterServiceConfig, tracer):
     if not drafter_dir.is_dir():
         raise SystemExit(f"no drafter checkpoint at {drafter_dir} (pass --drafter-dir)")
     layer_ids = tuple(DrafterConfig.load(drafter_dir).target_layer_ids)
-    # The target is loaded only for its embedding and LM head (shared, frozen): a tiny KV cache.
-    runner = load_target(model_dir, layer_ids, kv_cache_tokens=16,
-                         device=resolve_device(config.device), dtype=config.dtype)
-    drafter = load_method_drafter(drafter_dir, runner, apply_calibration=True)
-    return DrafterServicer(drafter, runner.vocab_size, list(layer_ids), drafter_dir.name, tracer,
+    # The target is read on the host for its embedding and LM head only (the drafter has its own
+    # norm); those two tensors go to the device, the target's layers are dropped with `host`.
+    host = load_target(model_dir, layer_ids, kv_cache_tokens=16, device="cpu", dtype=config.dtype)
+    head = target_head(host, resolve_device(config.device))
+    del host
+    drafter = load_method_drafter(drafter_dir, head, apply_calibration=True)
+    return DrafterServicer(drafter, head.vocab_size, list(layer_ids), drafter_dir.name, tracer,
                            config.idle_expiry_seconds)
+
+
+def target_head(runner, device: str):
+    """What a drafter needs of its target, on `device`: the embedding and LM head (one tensor
+    when they are tied), the model config and the runner's hidden layers and dtype, in the
+    shape `load_method_drafter` reads a runner; nothing else of the target is kept."""
+    from types import SimpleNamespace
+
+    import torch
+
+    embed = runner.model.embed_tokens.weight.detach()
+    lm_head = runner.model.lm_head.weight.detach()
+    tied = lm_head.data_ptr() == embed.data_ptr()
+    embed = embed.to(device)
+    lm_head = embed if tied else lm_head.to(device)
+    return SimpleNamespace(
+        model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=embed),
+                              lm_head=SimpleNamespace(weight=lm_head)),
+        model_config=runner.model_config, config=runner.config, dtype=runner.dtype,
+        device=torch.device(device), vocab_size=runner.vocab_size)
 
 
 def start(config: DrafterServiceConfig, tracer):

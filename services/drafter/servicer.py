@@ -18,6 +18,7 @@ from opentelemetry import propagate
 
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.serving import messages, tensor_codec
+from dspark.serving.grpc_errors import HANDLED, abort_with
 from dspark.serving.idle_expiry import IdleExpiry
 from dspark.serving.protos import pb, rpc
 
@@ -52,8 +53,8 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
                 try:
                     with self._lock:
                         blocks = self._round(round_msg)
-                except ValueError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except HANDLED as e:  # bad input, or the device failed: never UNKNOWN
+                    abort_with(context, e)
             for item, block in zip(round_msg.requests, blocks):
                 yield messages.block_to_pb(round_msg.round_id, item.request_id, block)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 from dspark.serving.config import VerifierServiceConfig, add_arguments, from_args
 
 ENV_PREFIX = "DSPARK_VERIFIER"
+CPU_KV_CACHE_TOKENS = 65536
+"""The verifier's KV cache on a CPU unless --kv-cache-tokens says otherwise (CUDA: dspark.devices)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +36,7 @@ def build_servicer(config: VerifierServiceConfig, tracer):
     import torch
 
     from dspark.cost_table import CostTable
+    from dspark.devices import kv_cache_tokens_for
     from dspark.loading import load_target, resolve_device
     from dspark.fetch import ensure_model
     from dspark.step_timing import startup_cost_table
@@ -43,8 +46,11 @@ def build_servicer(config: VerifierServiceConfig, tracer):
 
     torch.set_num_threads(config.threads)
     model_dir = Path(config.model_dir) if config.model_dir else ensure_model()
-    runner = load_target(model_dir, hidden_layers(config), kv_cache_tokens=config.kv_cache_tokens,
-                         device=resolve_device(config.device), dtype=config.dtype)
+    device = resolve_device(config.device)
+    kv_tokens = config.kv_cache_tokens or kv_cache_tokens_for(
+        device, model_dir, getattr(torch, config.dtype), CPU_KV_CACHE_TOKENS)
+    runner = load_target(model_dir, hidden_layers(config), kv_cache_tokens=kv_tokens,
+                         device=device, dtype=config.dtype)
     if config.cost_table and Path(config.cost_table).exists():
         table = CostTable.load(config.cost_table)
     else:

@@ -19,6 +19,7 @@ from dspark.cost_table import CostTable
 from dspark.feature_stash import FeaturePiece, joined
 from dspark.models.kv_cache import KVCacheFull
 from dspark.serving import messages, tensor_codec
+from dspark.serving.grpc_errors import HANDLED, abort_with
 from dspark.serving.idle_expiry import IdleExpiry
 from dspark.serving.protos import pb, rpc
 from dspark.serving.tracing import incoming_context
@@ -61,9 +62,9 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
 
     @staticmethod
     def _abort_on(context: grpc.ServicerContext, error: Exception) -> None:
-        if isinstance(error, KVCacheFull):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {error}")
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        """INVALID_ARGUMENT, RESOURCE_EXHAUSTED or INTERNAL with the error's message
+        (dspark.serving.grpc_errors), never grpc's bare UNKNOWN."""
+        abort_with(context, error)
 
     # -- RPCs -------------------------------------------------------------------------------
     def Info(self, request, context):
@@ -94,7 +95,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                 generators = [p.generator() for p in params]
                 try:
                     out = self.verifier.prefill(ids, prompts, params, generators, logprobs)
-                except (KVCacheFull, ValueError) as e:
+                except HANDLED as e:
                     self._abort_on(context, e)
                 for rid, g in zip(ids, generators):
                     self._generators[rid] = g
@@ -166,7 +167,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     batch = [self._verify_request(it, runner) for it in request.items]
                     chunks = [self._prefill_chunk(it) for it in request.prefill]
                     out = self.verifier.verify(batch, chunks)
-                except (KVCacheFull, ValueError) as e:
+                except HANDLED as e:
                     for it in request.prefill:
                         if not it.continued:
                             self._generators.pop(it.request_id, None)

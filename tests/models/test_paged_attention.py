@@ -172,3 +172,18 @@ def test_each_set_of_isa_flags_builds_under_its_own_name():
     assert kernel_build("  -mno-avx512f ") == (avx2, flags)
     portable = kernel_build("-mno-avx512f -mno-avx2")
     assert portable[1] == ("-mno-avx512f", "-mno-avx2") and portable[0] not in (avx2, "dspark_paged_attention")
+
+
+def test_cpu_kernel_refuses_tensors_off_the_cpu():
+    """The kernel reads host pointers: tensors on another device are refused with a message
+    before they reach it, never read."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pretend_device import PretendDevice
+
+    q, k, v, _, block_tables, query_start = make_case([2], [6], 4, 2, torch.float32)
+    device = PretendDevice()
+    device.place(k, v)
+    with device, pytest.raises(ValueError, match="k_cache, v_cache on another device"):
+        paged_attention(q, k, v, block_tables, query_start, torch.tensor([6]), 1.0)

@@ -145,7 +145,7 @@ def build(models: Models, device: str, dtype: str, policy: str, max_running: int
         _TABLES[key] = startup_cost_table(runner).to_dict()
     table = CostTable.from_dict(_TABLES[key])
     return Engine(TargetVerifier(runner), drafter, table,
-                  EngineConfig(policy=policy, max_running=max_running))
+                  EngineConfig().with_values(policy=policy, max_running=max_running))
 
 
 _TABLES: dict = {}
@@ -345,7 +345,7 @@ def services(models: Models, device: str, dtype: str, args) -> dict:
             remote = Engine(RemoteVerifier(f"127.0.0.1:{vport}"),
                             RemoteDrafter(f"127.0.0.1:{dport}"),
                             CostTable.from_dict(v.cost_table.to_dict()),
-                            EngineConfig(policy="async_topk", max_running=n))
+                            EngineConfig().with_values(policy="async_topk", max_running=n))
             generate(remote, prompts, 0.0, 4)
             tokens, seconds = generate(remote, prompts, 0.0, args.max_tokens)
             served = sum(map(len, tokens)) / seconds

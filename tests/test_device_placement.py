@@ -35,8 +35,9 @@ def build(folder, policy: str, device: PretendDevice | None, rule=VerificationRu
         if drafter is not None:
             device.place(drafter)
     return Engine(TargetVerifier(runner, rule), drafter, CostTable.from_step_seconds(TABLE),
-                  EngineConfig(policy=policy, max_running=4, update_cost_table=False,
-                               sparse_top_k=sparse_top_k, prefill_chunk_tokens=chunk))
+                  EngineConfig().with_values(
+                      policy=policy, max_running=4, update_cost_table=False,
+                      sparse_top_k=sparse_top_k, prefill_chunk_tokens=chunk))
 
 
 def run(folder, policy, sampling, device=None, **kw) -> list[list[int]]:

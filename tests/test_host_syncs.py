@@ -47,7 +47,8 @@ def count_round(folder, requests: int, temperature: float) -> tuple[int, int, di
     device.place_runner(runner)
     device.place(drafter)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds(TABLE),
-                    EngineConfig(policy="fixed:3", max_running=requests, update_cost_table=False))
+                    EngineConfig().with_values(policy="fixed:3", max_running=requests,
+                                                update_cost_table=False))
     verify = engine.verifier.verify
     in_verify = []
 

@@ -83,7 +83,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "t3"}], "max_t
     ("/v1/completions", {**BASE, "temperature": -0.5}, 400, "temperature must be >= 0"),
     ("/v1/completions", {**BASE, "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {**BASE, "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
-    ("/v1/completions", {**BASE, "n": 2}, 400, "n = 1"),
+    ("/v1/completions", {**BASE, "n": 0}, 400, "n must be in 1..128"),
     ("/v1/chat/completions", {**CHAT, "messages": "hello"}, 400, "'messages' must be"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "'messages' must be"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "t3"}]}, 400,

@@ -37,6 +37,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # The ranges of the proto fields the parameters travel in (dspark.v1.SamplingParams).
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_STOP_STRINGS = 64
+"""Most stop strings a request may give (OpenAI allows 4, vLLM any number; each costs a search
+of the held-back text per chunk, so there is a bound)."""
+MAX_STOP_STRING_CHARS = 1024
+"""Longest stop string: the stream holds back that many characters minus one."""
 # A refused client is told to come back after this long (Retry-After): about one round of a
 # loaded stack, so that a retrying client finds the next free slot.
 RETRY_AFTER_SECONDS = 1
@@ -415,6 +420,18 @@ class Gateway:
         with self._tokenizer_lock:
             return self.tokenizer.decode([t for t in token_ids if t not in stops],
                                          skip_special_tokens=True)
+
+
+def check_stop_strings(strings: list[str]) -> list[str]:
+    """The non-empty stop strings, within the bounds, else InvalidRequest naming `stop`."""
+    strings = [s for s in strings if s]
+    if len(strings) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}",
+                             param="stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in strings):
+        raise InvalidRequest(f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters",
+                             param="stop")
+    return strings
 
 
 def _same_owner(stored: str, caller: str) -> bool:

@@ -22,13 +22,9 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from pydantic_core import PydanticCustomError
 
 from dspark.logprobs import MAX_TOP_LOGPROBS
-from services.scheduler.gateway import CHAT_ROLES
+from services.scheduler.gateway import (CHAT_ROLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                       InvalidRequest, check_stop_strings)
 
-MAX_STOP_STRINGS = 64
-"""Most `stop` strings a request may give (OpenAI allows 4, vLLM any number; each costs a search
-of the held-back text per chunk, so there is a bound)."""
-MAX_STOP_STRING_CHARS = 1024
-"""Longest stop string: the stream holds back that many characters minus one."""
 MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's limit on the legacy completions' `logprobs`."""
 
@@ -152,14 +148,10 @@ class _GenerationRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> list[str]:
-        strings = [value] if isinstance(value, str) else list(value or [])
-        strings = [s for s in strings if s]
-        if len(strings) > MAX_STOP_STRINGS:
-            raise invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}", "stop")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in strings):
-            raise invalid(f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters",
-                          "stop")
-        return strings
+        try:
+            return check_stop_strings([value] if isinstance(value, str) else list(value or []))
+        except InvalidRequest as e:
+            raise invalid(e.message, "stop") from None
 
     @model_validator(mode="after")
     def _choices(self) -> "_GenerationRequest":

@@ -37,6 +37,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # The ranges of the proto fields the parameters travel in (dspark.v1.SamplingParams).
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_STOP_STRINGS = 64
+"""Most stop strings a request may give (OpenAI allows 4, vLLM any number; each costs a search
+of the held-back text per chunk, so there is a bound)."""
+MAX_STOP_STRING_CHARS = 1024
+"""Longest stop string: the stream holds back that many characters minus one."""
 # A refused client is told to come back after this long (Retry-After): about one round of a
 # loaded stack, so that a retrying client finds the next free slot.
 RETRY_AFTER_SECONDS = 1
@@ -66,6 +71,9 @@ class GenerationSpec:
     logprobs: int | None = None
     """Report the target's log-probability of each produced token with this many top
     alternatives (0..MAX_TOP_LOGPROBS); None = none."""
+    ignore_eos: bool = False
+    """Do not stop at the model's end-of-sequence tokens (vLLM's ignore_eos): only max_tokens
+    (and the front end's stop strings) end the output."""
 
 
 @dataclass
@@ -201,7 +209,7 @@ class Gateway:
 
     def spec(self, prompt_ids: list[int], temperature: Any = 1.0, top_p: Any = 1.0,
              top_k: Any = 0, seed: Any = None, max_tokens: Any = 16,
-             logprobs: Any = None) -> GenerationSpec:
+             logprobs: Any = None, ignore_eos: bool = False) -> GenerationSpec:
         """`logprobs`: top alternatives per produced token (None = no log-probabilities)."""
         max_tokens = _number(max_tokens, "max_tokens", int)
         if max_tokens < 1:
@@ -237,7 +245,7 @@ class Gateway:
                 raise InvalidRequest(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
                                      f"{_short(logprobs)}", param="logprobs")
         return GenerationSpec(prompt_ids, SamplingParams(temperature, top_k, top_p, seed),
-                              max_tokens, logprobs)
+                              max_tokens, logprobs, bool(ignore_eos))
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         """A string, a list of token ids, or a one-element list of either (OpenAI's forms)."""
@@ -262,7 +270,37 @@ class Gateway:
         raise InvalidRequest("'prompt' must be a string or a list of token ids (one prompt)",
                              param="prompt")
 
-    def encode_chat(self, messages: Any) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's token ids (/tokenize)."""
+        if not isinstance(text, str):
+            raise InvalidRequest("'prompt' must be a string", param="prompt")
+        self._check_text(text, "prompt")
+        with self._tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
+        """Token ids inside the vocabulary, else a 400 naming `param`."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"{param} token ids outside the vocabulary 0..{self.vocab_size - 1}: "
+                                 f"{bad[:5]}", param=param)
+        return token_ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens kept (/detokenize)."""
+        self.check_token_ids(token_ids, "tokens")
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's vocabulary entry (/tokenize with return_token_strs)."""
+        with self._tokenizer_lock:
+            return list(self.tokenizer.convert_ids_to_tokens(token_ids))
+
+    def encode_chat(self, messages: Any, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """The chat template's text of `messages`, tokenized (the template writes the special
+        tokens; `add_special_tokens` adds the tokenizer's too, as vLLM's /tokenize can)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("'messages' must be a non-empty list", param="messages")
         for i, m in enumerate(messages):
@@ -278,9 +316,9 @@ class Gateway:
             self._check_text(m["content"], "messages")
         clean = [{"role": m["role"], "content": m["content"]} for m in messages]
         with self._tokenizer_lock:
-            text = self.tokenizer.apply_chat_template(clean, tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            text = self.tokenizer.apply_chat_template(
+                clean, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def _check_text(self, text: str, param: str) -> None:
         """Before tokenizing: bounded length, and encodable (a JSON \\ud800 is a lone surrogate)."""
@@ -302,13 +340,14 @@ class Gateway:
     def start(self, spec: GenerationSpec, request_id: str, owner: str = "") -> GenerationStream:
         """`owner`: the fingerprint of the caller's API key ('' with authentication off)."""
         sampling = spec.sampling
+        stop_token_ids = [] if spec.ignore_eos else list(self.stop_token_ids)
         stored = StoredRequest(request_id, spec.prompt_ids,
                                {"temperature": sampling.temperature, "top_k": sampling.top_k,
                                 "top_p": sampling.top_p, "seed": sampling.seed},
-                               spec.max_tokens, list(self.stop_token_ids), owner=owner)
+                               spec.max_tokens, stop_token_ids, owner=owner)
         with self._submit_lock:
             events = self._submit(Submission(request_id, spec.prompt_ids, sampling,
-                                             spec.max_tokens, list(self.stop_token_ids), stored,
+                                             spec.max_tokens, stop_token_ids, stored,
                                              logprobs=spec.logprobs))
         return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs)
 
@@ -381,6 +420,18 @@ class Gateway:
         with self._tokenizer_lock:
             return self.tokenizer.decode([t for t in token_ids if t not in stops],
                                          skip_special_tokens=True)
+
+
+def check_stop_strings(strings: list[str]) -> list[str]:
+    """The non-empty stop strings, within the bounds, else InvalidRequest naming `stop`."""
+    strings = [s for s in strings if s]
+    if len(strings) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}",
+                             param="stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in strings):
+        raise InvalidRequest(f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters",
+                             param="stop")
+    return strings
 
 
 def _same_owner(stored: str, caller: str) -> bool:

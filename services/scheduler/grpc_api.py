@@ -3,7 +3,9 @@
 Generate validates exactly as the REST API does (the shared Gateway), then streams one
 GenerateReply per round with the request's new tokens and text (and their log-probabilities
 when the request set `logprobs`), the last one carrying usage and speculative metrics. A client
-that cancels or disconnects has its request aborted at once.
+that cancels or disconnects has its request aborted at once. Stop strings end the output
+before the first one it contains, as in the REST API: the last reply's tokens end with the one
+that completed it, its text before it. `max_tokens` absent means 16; 0 is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import grpc
 from dspark.serving import messages
 from dspark.serving.auth import ApiKeys, deny_handler
 from dspark.serving.protos import pb, rpc
-from services.scheduler.gateway import Gateway, GenerationStream, InvalidRequest, Overloaded
+from services.scheduler.gateway import (Gateway, GenerationStream, InvalidRequest, Overloaded,
+                                       check_stop_strings)
+from services.scheduler.stop_strings import StopStrings
 
 _LOGGER = logging.getLogger("dspark.scheduler")
 _GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -62,6 +66,9 @@ class GenerationServicer(rpc.generation.GenerationServicer):
             if request.HasField("logprobs"):
                 raise InvalidRequest("logprobs are not stored: a resumed request cannot return "
                                      "them", param="logprobs")
+            if request.stop:
+                raise InvalidRequest("stop strings are not stored: give them to the first "
+                                     "request only", param="stop")
             return g.resume(request.resume_request_id, owner)
         g.check_model(request.model)
         given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
@@ -76,12 +83,14 @@ class GenerationServicer(rpc.generation.GenerationServicer):
         spec = g.spec(prompt_ids, temperature=s.temperature,
                       top_p=s.top_p if s.top_p else 1.0,  # proto3 default 0 = unset
                       top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
-                      max_tokens=request.max_tokens or 16,
-                      logprobs=request.logprobs if request.HasField("logprobs") else None)
+                      max_tokens=request.max_tokens if request.HasField("max_tokens") else 16,
+                      logprobs=request.logprobs if request.HasField("logprobs") else None,
+                      ignore_eos=request.ignore_eos)
         return g.start(spec, g.new_request_id("gen"), owner)
 
     def Generate(self, request, context):
         try:
+            stop = check_stop_strings(list(request.stop))
             stream = self._start(request, self._owner(context))
         except Overloaded as e:
             context.set_trailing_metadata([("retry-after", str(e.retry_after_seconds))])
@@ -92,11 +101,23 @@ class GenerationServicer(rpc.generation.GenerationServicer):
             _LOGGER.exception("unexpected error in Generate")
             context.abort(grpc.StatusCode.INTERNAL, "internal error")
         context.add_callback(stream.cancel)  # no-op once finished
+        matcher = StopStrings(stop)
         for chunk in stream:
             if chunk.error:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed: {chunk.error}")
+            text, stopped = matcher.feed(chunk.text)
+            if stopped:  # the tokens up to the one that completed the stop string
+                kept = stream.tokens_for_text(chunk.token_ids, matcher.stop_end)
+                stream.cancel()
+                chunk.completion_tokens -= len(chunk.token_ids) - kept
+                chunk.token_ids, chunk.finished, chunk.finish_reason = (
+                    chunk.token_ids[:kept], True, "stop")
+                if chunk.logprobs is not None:
+                    chunk.logprobs = chunk.logprobs[:kept]
+            elif chunk.finished:
+                text += matcher.flush()
             reply = pb.generation.GenerateReply(request_id=stream.request_id,
-                                                token_ids=chunk.token_ids, text=chunk.text,
+                                                token_ids=chunk.token_ids, text=text,
                                                 finished=chunk.finished,
                                                 finish_reason=chunk.finish_reason or "")
             if chunk.logprobs is not None:
@@ -111,6 +132,8 @@ class GenerationServicer(rpc.generation.GenerationServicer):
                     reply.metrics.drafts_accepted = m.drafts_accepted
                     reply.metrics.acceptance_length = m.tau
             yield reply
+            if chunk.finished:
+                return
 
     def GetRequest(self, request, context):
         try:

@@ -22,10 +22,9 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from pydantic_core import PydanticCustomError
 
 from dspark.logprobs import MAX_TOP_LOGPROBS
-from services.scheduler.gateway import CHAT_ROLES
+from services.scheduler.gateway import (CHAT_ROLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                       InvalidRequest, check_stop_strings)
 
-MAX_STOP_STRINGS = 4
-"""OpenAI's limit on `stop`."""
 MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's limit on the legacy completions' `logprobs`."""
 
@@ -42,7 +41,8 @@ def _number_or_null(value: Any, info: ValidationInfo) -> Any:
 
 def _prompt_shape(value: Any) -> Any:
     if not isinstance(value, (str, list)):
-        raise invalid("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
+        raise invalid("'prompt' must be a string, a list of token ids, or a list of either",
+                      "prompt")
     return value
 
 
@@ -52,50 +52,64 @@ def _messages_shape(value: Any) -> Any:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}] must be an object with a role in {CHAT_ROLES}", "messages")
+        if isinstance(m.get("content"), list):
+            m["content"] = _text_of_parts(m["content"], i)
         if not isinstance(m.get("content"), str):
-            raise invalid(f"messages[{i}].content must be a string", "messages")
+            raise invalid(f"messages[{i}].content must be a string or a list of text parts",
+                          "messages")
     return value
+
+
+def _text_of_parts(parts: list, i: int) -> str:
+    """Content given as parts (`[{"type": "text", "text": ...}, ...]`): their texts joined by
+    newlines, as vLLM joins them. Only text parts: this server serves a text model."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise invalid(f"messages[{i}].content[{j}]: only text parts are supported, got "
+                          f"{str(kind)[:40]!r}", "messages")
+        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            raise invalid(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", "
+                          f"\"text\": <string>}}", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 Number = Annotated[StrictInt | StrictFloat | None, BeforeValidator(_number_or_null)]
 """A JSON number or null; any other type is a 400 saying `<field> must be a number`."""
 Prompt = Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]],
                    BeforeValidator(_prompt_shape)]
-"""A string, a list of token ids, or a one-element list of either (OpenAI's forms)."""
+"""A string, a list of token ids, or a list of either (several prompts: OpenAI's forms)."""
+MAX_CHOICES = 128
+"""Most generations one request may start (prompts x max(n, best_of))."""
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool | None = None
-    """Send token usage with the last chunk of a streamed chat completion (completions always do)."""
+    """Send a last chunk with empty `choices` and the whole request's token usage."""
+    continuous_usage_stats: StrictBool | None = None
+    """With include_usage: every chunk also carries the usage so far (vLLM's extension)."""
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-    name: str | None = Field(None, description="Not supported (send null): the target's chat "
-                             "template has no place for a participant's name.")
-
-    @field_validator("name")
-    @classmethod
-    def _no_name(cls, name: str | None) -> None:
-        if name is not None:
-            raise invalid("messages[].name is not supported (the chat template has no names)",
-                          "messages")
-        return None
+    content: str = Field(description="A string, or a list of text parts (joined by newlines).")
+    name: str | None = Field(None, description="A participant's name: accepted and not shown "
+                             "to the model (the target's chat template has no place for it, "
+                             "as under vLLM with such a template).")
 
 
 UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
-    "echo": (None, False),
-    "best_of": (None, 1),
     "suffix": (None, ""),
+    "min_tokens": (None, 0),
 }
 """OpenAI fields accepted only at the value where they do nothing."""
 
@@ -114,33 +128,41 @@ class _GenerationRequest(BaseModel):
     seed: Number = Field(None, description="Seed of this request's sampling (reproducible "
                                            "outputs at temperature > 0).")
     stop: str | list[str] | None = Field(
-        None, validate_default=True, description=f"Up to {MAX_STOP_STRINGS} strings; the output ends before the first "
-                          "one it contains (finish_reason 'stop').")
+        None, validate_default=True, description=f"Up to {MAX_STOP_STRINGS} strings; the output "
+        "ends before the first one it contains (finish_reason 'stop').")
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="An end-user id (recorded nowhere; accepted for "
                                                "compatibility).")
-    n: Number = Field(None, description="Only 1 is supported.")
+    n: Number = Field(None, description=(
+        "Choices to return for each prompt: independent samples of it (a seeded request's "
+        "sample i uses seed + i, as vLLM's do). Default 1."))
     presence_penalty: Number = Field(None, description="Only 0 is supported.")
     frequency_penalty: Number = Field(None, description="Only 0 is supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Only empty is supported.")
+    ignore_eos: StrictBool | None = Field(None, description=(
+        "Keep generating after the model's end-of-sequence tokens, up to max_tokens (vLLM's "
+        "extension; stop strings still apply)."))
+    min_tokens: Number = Field(None, description="Only 0 is supported (vLLM's extension).")
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> list[str]:
-        strings = [value] if isinstance(value, str) else list(value or [])
-        strings = [s for s in strings if s]
-        if len(strings) > MAX_STOP_STRINGS:
-            raise invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}", "stop")
-        return strings
+        try:
+            return check_stop_strings([value] if isinstance(value, str) else list(value or []))
+        except InvalidRequest as e:
+            raise invalid(e.message, "stop") from None
+
+    @model_validator(mode="after")
+    def _choices(self) -> "_GenerationRequest":
+        self.n = _count(self.n, "n", 1, MAX_CHOICES)
+        return self
 
     @model_validator(mode="after")
     def _only_supported_values(self) -> "_GenerationRequest":
         for name, allowed in UNSUPPORTED_UNLESS.items():
             value = getattr(self, name, None)
             if value not in allowed:
-                if name == "n":
-                    raise invalid("only n = 1 is supported", "n")
                 raise invalid(f"{name} is not supported (send {allowed[-1]!r} or leave it out)",
                               name)
         return self
@@ -149,11 +171,34 @@ class _GenerationRequest(BaseModel):
         """Gateway.spec's keyword arguments, defaults in place of nulls."""
         return {"temperature": _default(self.temperature, 1.0),
                 "top_p": _default(self.top_p, 1.0), "top_k": _default(self.top_k, 0),
-                "seed": self.seed, "max_tokens": _default(self.max_tokens, 16)}
+                "seed": self.seed, "max_tokens": _default(self.max_tokens, 16),
+                "ignore_eos": bool(self.ignore_eos)}
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def samples(self) -> int:
+        """Generations per prompt."""
+        return self.n or 1
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk: vLLM's continuous_usage_stats, which needs
+        include_usage."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+def _count(value: Any, name: str, low: int, high: int) -> int | None:
+    """An integer in low..high or None, else a 400 naming `name`."""
+    if value is None:
+        return None
+    if isinstance(value, float) and not value.is_integer():  # also NaN and infinities
+        raise invalid(f"{name} must be an integer, got {value!r}", name)
+    if not low <= value <= high:
+        raise invalid(f"{name} must be in {low}..{high}, got {value!r}", name)
+    return int(value)
 
 
 def _top_count(value: Any, name: str, limit: int) -> int | None:
@@ -173,14 +218,34 @@ class CompletionRequest(_GenerationRequest):
         f"0..{MAX_COMPLETION_LOGPROBS}: return the target's log-probability of each produced "
         "token and of this many most probable tokens at its position (raw model distribution: "
         "before temperature, top-k, top-p)."))
-    echo: StrictBool | None = Field(None, description="Only false is supported.")
-    best_of: Number = Field(None, description="Only 1 is supported.")
+    echo: StrictBool | None = Field(None, description=(
+        "Put the prompt's text before each choice's text (not with logprobs: prompt "
+        "log-probabilities are not computed)."))
+    best_of: Number = Field(None, description=(
+        "Generate this many samples of each prompt (>= n) and return the n whose tokens have "
+        "the highest cumulative log-probability under the target (the raw model distribution, "
+        "as `logprobs` reports it); not with stream. Default n."))
     suffix: str | None = Field(None, description="Not supported (send null).")
 
     @model_validator(mode="after")
     def _logprobs_range(self) -> "CompletionRequest":
         self.logprobs = _top_count(self.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS)
+        self.best_of = _count(self.best_of, "best_of", 1, MAX_CHOICES)
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise invalid(f"best_of must be >= n, got best_of {self.best_of} and n {self.n}",
+                          "best_of")
+        if self.stream and self.samples > (self.n or 1):
+            raise invalid("best_of > n cannot be streamed (the best are known at the end)",
+                          "best_of")
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo with logprobs is not supported (prompt log-probabilities are "
+                          "not computed)", "echo")
         return self
+
+    @property
+    def samples(self) -> int:
+        """Generations per prompt: best_of, else n."""
+        return self.best_of or self.n or 1
 
     def sampling(self) -> dict[str, Any]:
         return {**super().sampling(), "logprobs": self.logprobs}
@@ -209,6 +274,51 @@ class ChatCompletionRequest(_GenerationRequest):
             out["max_tokens"] = self.max_completion_tokens
         out["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         return out
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], BeforeValidator(_messages_shape)] | None = None
+    add_special_tokens: StrictBool | None = Field(None, description=(
+        "Add the tokenizer's special tokens (default: true for a prompt, false for messages, "
+        "whose template writes them)."))
+    add_generation_prompt: StrictBool | None = Field(None, description=(
+        "Messages: end with the assistant turn's opening (default true)."))
+    return_token_strs: StrictBool | None = Field(None, description=(
+        "Also return each token's vocabulary entry."))
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid("give exactly one of prompt, messages", "prompt")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ResumeRequest(BaseModel):
@@ -316,7 +426,9 @@ class _Response(BaseModel):
     created: int
     model: str
     usage: Usage | None = None
-    dspark: DsparkExtras
+    dspark: DsparkExtras | None = None
+    """Our extension: the first choice's token ids and speculation metrics (absent from the
+    usage-only chunk that ends a stream)."""
 
 
 class CompletionResponse(_Response):

@@ -2,12 +2,13 @@
 Serve's ingress (deploy/ray_serve.py).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (`stream: true` -> server-sent events
-ending in `data: [DONE]`), GET /v1/models, GET /v1/requests/{id} and POST
+ending in `data: [DONE]`), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize and
+/detokenize, GET /version and GET|POST /ping, GET /v1/requests/{id} and POST
 /v1/requests/{id}/resume (stored request state, see dspark.serving.store), GET /health, GET
 /metrics (Prometheus text), GET /docs and /openapi.json. With API keys configured every /v1 route
-needs `Authorization: Bearer <key>` (401 otherwise); /health, /metrics and the docs stay open for
-probes and scrapers. A stored request belongs to the key that made it: another key's id answers
-what an unknown one does (404). Every 4xx has OpenAI's body `{"error": {"message", "type",
+and /tokenize, /detokenize need `Authorization: Bearer <key>` (401 otherwise); /health, /ping,
+/version, /metrics and the docs stay open for probes and scrapers. A stored request belongs to
+the key that made it: another key's id answers what an unknown one does (404). Every 4xx has OpenAI's body `{"error": {"message", "type",
 "param", "code"}}`; a body that fails validation is a 400 whose `param` names the field
 (services.scheduler.openai_models), not FastAPI's 422. A full waiting queue is a 429 with
 Retry-After; anything unexpected a 500 with the same body and no internals (the traceback goes to
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
+
+import dspark
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,7 +56,10 @@ from services.scheduler.openai_models import (AssistantMessage, ChatChoice, Chat
                                               CompletionRequest, CompletionResponse,
                                               DeltaMessage, DsparkExtras, ErrorResponse,
                                               ModelCard, ModelList, ResumeRequest,
-                                              SpecDecodeMetrics, StoredRequestView, Usage)
+                                              MAX_CHOICES, DetokenizeRequest,
+                                              DetokenizeResponse, SpecDecodeMetrics,
+                                              StoredRequestView, TokenizeRequest,
+                                              TokenizeResponse, Usage, VersionResponse)
 from services.scheduler.logprobs_view import TokenStrings, chat_logprobs, completion_logprobs
 from services.scheduler.stop_strings import StopStrings
 
@@ -281,6 +287,114 @@ def _sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+@dataclass
+class Output:
+    """One generation read to its end (a non-streaming response)."""
+
+    text: str
+    last: Piece
+    logprobs: list[tuple[list[int], TokenLogprobs]]
+    """(token ids, their log-probabilities) of the counted tokens of each piece, when asked."""
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return float(sum(float(values.token_logprobs.sum()) for _, values in self.logprobs))
+
+
+async def _collect(stream: GenerationStream, stop: list[str], request: Request) -> Output:
+    text, last, logprobs = "", None, []
+    async for batch in _pieces(stream, stop, request):
+        text += "".join(piece.text for piece in batch)
+        logprobs += [lp for lp in map(Piece.logprobs, batch) if lp is not None]
+        last = batch[-1]
+    assert last is not None, "a generation stream ends with a finished chunk"
+    return Output(text, last, logprobs)
+
+
+async def _merged(streams: list[GenerationStream],
+                  stop: list[str]) -> AsyncIterator[tuple[int, list[Piece]]]:
+    """(choice index, batch of pieces) of every stream as they arrive, until all ended. Ending
+    early (a client gone) cancels every stream that has not finished (_pieces' finally)."""
+    if len(streams) == 1:
+        async for batch in _pieces(streams[0], stop):
+            yield 0, batch
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: GenerationStream) -> None:
+        try:
+            async for batch in _pieces(stream, stop):
+                arrived.put_nowait((index, batch))
+        except Exception as e:
+            arrived.put_nowait((index, e))
+        finally:
+            arrived.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        ended = 0
+        while ended < len(streams):
+            index, batch = await arrived.get()
+            if batch is None:
+                ended += 1
+            elif isinstance(batch, Exception):
+                raise batch
+            else:
+                yield index, batch
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+@dataclass
+class Generation:
+    """The engine requests one API request started: `samples` per prompt, prompt by prompt."""
+
+    streams: list[GenerationStream]
+    prompt_tokens: list[int]
+    """Each prompt's length (usage counts a prompt once, whatever its samples)."""
+    samples: int
+    """Generations per prompt (best_of, else n)."""
+    n: int
+    """Choices returned per prompt."""
+    echo: list[str]
+    """Each prompt's text, when the request asked for echo."""
+    report_logprobs: bool
+    """Whether the client asked for log-probabilities (best_of asks for them internally)."""
+
+    def prompt_of(self, stream_index: int) -> int:
+        return stream_index // self.samples
+
+    def prompt_tokens_of(self, stream_index: int) -> int:
+        return self.prompt_tokens[self.prompt_of(stream_index)]
+
+    def echo_of(self, stream_index: int) -> str:
+        return self.echo[self.prompt_of(stream_index)] if self.echo else ""
+
+    def choose(self, outputs: list[Output]) -> list[int]:
+        """The streams whose outputs are returned, in choice order: all of them, or with
+        best_of > n each prompt's n of highest cumulative log-probability (ties: the first)."""
+        if self.samples == self.n:
+            return list(range(len(outputs)))
+        chosen = []
+        for p in range(len(self.prompt_tokens)):
+            group = range(p * self.samples, (p + 1) * self.samples)
+            chosen += sorted(group, key=lambda i: -outputs[i].cumulative_logprob)[:self.n]
+        return chosen
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    """The prompts of a completions `prompt`: one string or token-id list, or a list of them."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return list(prompt)
+    return [prompt]
+
+
+def _wrap_seed(seed: int) -> int:
+    """seed + i kept a 64-bit signed integer (the proto's and the generator's range)."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
 class RestApi:
     """The routes' logic over one Gateway (the FastAPI app's handlers call these)."""
 
@@ -290,111 +404,181 @@ class RestApi:
         """The strings and bytes of tokens in `logprobs` objects."""
 
     def start(self, body: CompletionRequest | ChatCompletionRequest,
-              owner: str) -> GenerationStream:
-        """Validate against the model, tokenize and submit, on the event loop: a hand-off to a
-        worker thread costs more GIL switches than tokenizing one prompt. `owner`: the caller's
-        key fingerprint, which the request is bound to (ApiKeys.owner). Gateway.start also
-        writes the request to the store: with Redis down that holds this loop for at most the
-        store's 0.5 s timeout, once a second (the store refuses at once in between)."""
+              owner: str) -> "Generation":
+        """Validate against the model, tokenize and submit every generation the request asks
+        for (each prompt `body.samples` times; sample i of a seeded request with seed + i), on
+        the event loop: a hand-off to a worker thread costs more GIL switches than tokenizing
+        one prompt. `owner`: the caller's key fingerprint, which the requests are bound to
+        (ApiKeys.owner). Gateway.start also writes each request to the store: with Redis down
+        that holds this loop for at most the store's 0.5 s timeout, once a second (the store
+        refuses at once in between). All are validated before any is submitted; if a later
+        one is refused (a full queue), the earlier ones are cancelled."""
         g = self.gateway
         g.check_model(body.model)
+        echo: list[str] = []
         if isinstance(body, ChatCompletionRequest):
-            prompt_ids = g.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
+            prompts = [g.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])]
             kind = "chatcmpl"
         else:
-            prompt_ids, kind = g.encode_prompt(body.prompt), "cmpl"
-        return g.start(g.spec(prompt_ids, **body.sampling()), g.new_request_id(kind), owner)
-
-    async def respond(self, stream: GenerationStream, request: Request, chat: bool,
-                      streaming: bool, stop: list[str], include_usage: bool) -> Response:
-        if streaming:
-            return StreamingResponse(self._events(stream, chat, stop, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        text, last, logprobs = "", None, []
+            texts = _prompt_list(body.prompt)
+            prompts, kind = [g.encode_prompt(p) for p in texts], "cmpl"
+            if body.echo:
+                echo = [p if isinstance(p, str) else g.decode(p) for p in texts]
+        samples = body.samples
+        if len(prompts) * samples > MAX_CHOICES:
+            raise InvalidRequest(f"{len(prompts)} prompts x {samples} samples is more than "
+                                 f"{MAX_CHOICES} generations in one request",
+                                 param="best_of" if getattr(body, "best_of", None) else "n")
+        sampling = body.sampling()
+        report_logprobs = sampling.get("logprobs") is not None
+        if samples > (body.n or 1) and not report_logprobs:
+            sampling["logprobs"] = 0  # best_of ranks by the sampled tokens' log-probabilities
+        seed = sampling.pop("seed")
+        specs = [g.spec(ids, **sampling, seed=None if seed is None else _wrap_seed(seed + i))
+                 for ids in prompts for i in range(samples)]
+        streams: list[GenerationStream] = []
         try:
-            async for batch in _pieces(stream, stop, request):
-                text += "".join(piece.text for piece in batch)
-                logprobs += [lp for lp in map(Piece.logprobs, batch) if lp is not None]
-                last = batch[-1]
-        except _ClientGone:
-            return Response(status_code=499)  # nobody reads it; the request was aborted
-        assert last is not None, "a generation stream ends with a finished chunk"
-        if last.chunk.error:
-            raise InvalidRequest(f"generation failed: {last.chunk.error}", 503)
-        common = {"id": stream.request_id, "created": int(time.time()),
-                  "model": self.gateway.model_name, "usage": _usage(last.chunk),
-                  "dspark": DsparkExtras(token_ids=stream.output_ids,
-                                         spec_decode=_spec_metrics(last.chunk))}
-        whole = None
-        if stream.logprobs is not None:  # the request asked: every token's, in order
-            whole = (TokenLogprobs.cat([values for _, values in logprobs]) if logprobs
-                     else TokenLogprobs.empty(stream.logprobs))
-            ids = [t for token_ids, _ in logprobs for t in token_ids]
-        if chat:
-            return _json(ChatCompletionResponse(choices=[ChatChoice(
-                message=AssistantMessage(content=text), finish_reason=last.finish_reason,
-                logprobs=None if whole is None else chat_logprobs(whole, ids,
-                                                                  self.token_strings))],
-                **common))
-        return _json(CompletionResponse(choices=[CompletionChoice(
-            text=text, finish_reason=last.finish_reason,
-            logprobs=None if whole is None else completion_logprobs(
-                whole, ids, self.token_strings, 0)[0])], **common))
+            for spec in specs:
+                streams.append(g.start(spec, g.new_request_id(kind), owner))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return Generation(streams, [len(ids) for ids in prompts], samples, body.n or 1, echo,
+                          report_logprobs)
 
-    async def _events(self, stream: GenerationStream, chat: bool, stop: list[str],
-                      include_usage: bool) -> AsyncIterator[bytes]:
+    async def respond(self, generation: "Generation", request: Request, chat: bool,
+                      streaming: bool, stop: list[str], include_usage: bool,
+                      continuous_usage: bool = False) -> Response:
+        if streaming:
+            return StreamingResponse(
+                self._events(generation, chat, stop, include_usage, continuous_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        gone = False
+        try:
+            async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
+                tasks = [group.create_task(_collect(stream, stop, request))
+                         for stream in generation.streams]
+        except* _ClientGone:
+            gone = True
+        if gone:
+            return Response(status_code=499)  # nobody reads it; the requests were aborted
+        outputs = [task.result() for task in tasks]
+        for out in outputs:
+            if out.last.chunk.error:
+                raise InvalidRequest(f"generation failed: {out.last.chunk.error}", 503)
+        chosen = generation.choose(outputs)
+        completion_tokens = sum(outputs[i].last.chunk.completion_tokens for i in chosen)
+        first = outputs[chosen[0]]
+        common = {"id": generation.streams[0].request_id, "created": int(time.time()),
+                  "model": self.gateway.model_name,
+                  "usage": Usage.of(sum(generation.prompt_tokens), completion_tokens),
+                  "dspark": DsparkExtras(token_ids=generation.streams[chosen[0]].output_ids,
+                                         spec_decode=_spec_metrics(first.last.chunk))}
+        choices = []
+        for index, i in enumerate(chosen):
+            out, stream = outputs[i], generation.streams[i]
+            whole, ids = None, []
+            if generation.report_logprobs and stream.logprobs is not None:
+                whole = (TokenLogprobs.cat([values for _, values in out.logprobs])
+                         if out.logprobs else TokenLogprobs.empty(stream.logprobs))
+                ids = [t for token_ids, _ in out.logprobs for t in token_ids]
+            if chat:
+                choices.append(ChatChoice(
+                    index=index, message=AssistantMessage(content=out.text),
+                    finish_reason=out.last.finish_reason,
+                    logprobs=None if whole is None else chat_logprobs(whole, ids,
+                                                                      self.token_strings)))
+            else:
+                choices.append(CompletionChoice(
+                    index=index, text=generation.echo_of(i) + out.text,
+                    finish_reason=out.last.finish_reason,
+                    logprobs=None if whole is None else completion_logprobs(
+                        whole, ids, self.token_strings, 0)[0]))
+        response = ChatCompletionResponse if chat else CompletionResponse
+        return _json(response(choices=choices, **common))
+
+    async def _events(self, generation: "Generation", chat: bool, stop: list[str],
+                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events: each choice's chunks as they come (`index` telling them apart),
+        with include_usage a last chunk with empty `choices` and the usage of all of them,
+        with continuous_usage also each chunk's choice's usage so far, then `[DONE]`."""
         created, model = int(time.time()), self.gateway.model_name
-        text_offset = 0  # completions: where the next chunk's tokens start in the text
+        request_id = generation.streams[0].request_id
+        count = len(generation.streams)
+        text_offset = [0] * count  # completions: where each choice's next tokens start
+        completion_tokens = [0] * count
 
-        def event(text: str, finish_reason: str | None, extras: DsparkExtras,
+        def event(index: int, text: str, finish_reason: str | None, extras: DsparkExtras | None,
                   usage: Usage | None, role: bool = False,
                   logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> bytes:
             # model_construct: the values are ours and already valid; this runs once per
             # chunk of every stream, on the thread that also serves every other request.
-            common = {"id": stream.request_id, "created": created, "model": model,
+            common = {"id": request_id, "created": created, "model": model,
                       "usage": usage, "dspark": extras}
             if chat:
                 delta = DeltaMessage.model_construct(role="assistant" if role else None,
                                                      content=text)
                 body = ChatCompletionChunk.model_construct(choices=[
-                    ChatChunkChoice.model_construct(delta=delta, finish_reason=finish_reason,
+                    ChatChunkChoice.model_construct(index=index, delta=delta,
+                                                    finish_reason=finish_reason,
                                                     logprobs=logprobs)],
                     **common)
             else:
                 body = CompletionResponse.model_construct(choices=[
-                    CompletionChoice.model_construct(text=text, finish_reason=finish_reason,
+                    CompletionChoice.model_construct(index=index, text=text,
+                                                     finish_reason=finish_reason,
                                                      logprobs=logprobs)],
                     **common)
             return _sse(body.model_dump_json())
 
-        if chat:
-            yield event("", None, DsparkExtras.model_construct(token_ids=[]), None, role=True)
-        async for batch in _pieces(stream, stop):
+        def usage_of(index: int) -> Usage | None:
+            if not continuous_usage:
+                return None
+            return Usage.of(generation.prompt_tokens_of(index), completion_tokens[index])
+
+        opening = []
+        for index in range(count):
+            if chat:
+                opening.append(event(index, "", None, DsparkExtras.model_construct(token_ids=[]),
+                                     usage_of(index), role=True))
+            elif generation.echo:
+                opening.append(event(index, generation.echo_of(index), None,
+                                     DsparkExtras.model_construct(token_ids=[]),
+                                     usage_of(index)))
+        if opening:
+            yield b"".join(opening)
+        async for index, batch in _merged(generation.streams, stop):
             events = []
             for piece in batch:
                 if piece.chunk.error:
                     events.append(_sse(ErrorResponse(error={
                         "message": f"generation failed: {piece.chunk.error}",
                         "type": "service_unavailable", "code": 503}).model_dump_json()))
-                    break
+                    yield b"".join(events)
+                    yield _sse("[DONE]")
+                    return
+                completion_tokens[index] = piece.chunk.completion_tokens
                 extras = DsparkExtras.model_construct(token_ids=piece.token_ids)
-                usage = None
                 if piece.finish_reason is not None:
                     extras.spec_decode = _spec_metrics(piece.chunk)
-                    if include_usage or not chat:
-                        usage = _usage(piece.chunk)
                 logprobs, asked = None, piece.logprobs()
                 if asked is not None:  # the logprobs of this chunk's tokens
                     token_ids, values = asked
                     if chat:
                         logprobs = chat_logprobs(values, token_ids, self.token_strings)
                     else:
-                        logprobs, text_offset = completion_logprobs(
-                            values, token_ids, self.token_strings, text_offset)
-                events.append(event(piece.text, piece.finish_reason, extras, usage,
-                                    logprobs=logprobs))
+                        logprobs, text_offset[index] = completion_logprobs(
+                            values, token_ids, self.token_strings, text_offset[index])
+                events.append(event(index, piece.text, piece.finish_reason, extras,
+                                    usage_of(index), logprobs=logprobs))
             yield b"".join(events)
+        if include_usage:
+            usage = Usage.of(sum(generation.prompt_tokens), sum(completion_tokens))
+            cls = ChatCompletionChunk if chat else CompletionResponse
+            yield _sse(cls.model_construct(id=request_id, created=created, model=model,
+                                           choices=[], usage=usage, dspark=None
+                                           ).model_dump_json())
         yield _sse("[DONE]")
 
     def stored(self, request_id: str, owner: str) -> StoredRequestView:
@@ -445,28 +629,69 @@ def build_app(gateway: Gateway, api_keys: ApiKeys, metrics: SchedulerMetrics,
     def metrics_route() -> Response:
         return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.api_route("/ping", methods=["GET", "POST"], tags=["probes"], response_class=Response)
+    def ping() -> Response:
+        """vLLM's liveness probe: an empty 200."""
+        return Response(status_code=200)
+
+    @app.get("/version", tags=["probes"], response_model=VersionResponse)
+    def version() -> VersionResponse:
+        return VersionResponse(version=dspark.__version__)
+
+    card = ModelCard(id=gateway.model_name, max_model_len=gateway.max_context_tokens)
+
     @app.get("/v1/models", dependencies=authorized, response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=gateway.model_name,
-                                         max_model_len=gateway.max_context_tokens)])
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=authorized, response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        if model_id != gateway.model_name:
+            raise InvalidRequest("no such model; see GET /v1/models", status=404, param="model")
+        return card
+
+    @app.post("/tokenize", dependencies=authorized, response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize (the API key is needed, as on /v1)."""
+        if body.model is not None:
+            gateway.check_model(body.model)
+        if body.messages is not None:
+            ids = gateway.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                      add_generation_prompt=body.add_generation_prompt
+                                      is not False,
+                                      add_special_tokens=bool(body.add_special_tokens))
+        else:
+            ids = gateway.encode_text(body.prompt, body.add_special_tokens is not False)
+        return TokenizeResponse(count=len(ids), max_model_len=gateway.max_context_tokens,
+                                tokens=ids, token_strs=gateway.token_strings(ids)
+                                if body.return_token_strs else None)
+
+    @app.post("/detokenize", dependencies=authorized, response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's /detokenize: the text of token ids, special tokens kept."""
+        if body.model is not None:
+            gateway.check_model(body.model)
+        return DetokenizeResponse(prompt=gateway.detokenize(body.tokens))
 
     @app.post("/v1/completions", dependencies=authorized,
               responses={200: {"model": CompletionResponse,
                                "content": {"text/event-stream": {}}}})
     async def completions(body: CompletionRequest, request: Request,
                           owner: str = Depends(caller)) -> Response:
-        stream = api.start(body, owner)
-        return await api.respond(stream, request, chat=False, streaming=bool(body.stream),
-                                 stop=body.stop, include_usage=body.include_usage)
+        return await api.respond(api.start(body, owner), request, chat=False,
+                                 streaming=bool(body.stream), stop=body.stop,
+                                 include_usage=body.include_usage,
+                                 continuous_usage=body.continuous_usage)
 
     @app.post("/v1/chat/completions", dependencies=authorized,
               responses={200: {"model": ChatCompletionResponse,
                                "content": {"text/event-stream": {}}}})
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                owner: str = Depends(caller)) -> Response:
-        stream = api.start(body, owner)
-        return await api.respond(stream, request, chat=True, streaming=bool(body.stream),
-                                 stop=body.stop, include_usage=body.include_usage)
+        return await api.respond(api.start(body, owner), request, chat=True,
+                                 streaming=bool(body.stream), stop=body.stop,
+                                 include_usage=body.include_usage,
+                                 continuous_usage=body.continuous_usage)
 
     @app.get("/v1/requests/{request_id}", dependencies=authorized,
              response_model=StoredRequestView)
@@ -481,7 +706,8 @@ def build_app(gateway: Gateway, api_keys: ApiKeys, metrics: SchedulerMetrics,
                      owner: str = Depends(caller)) -> Response:
         _check_request_id(request_id)
         stream = await run_in_threadpool(gateway.resume, request_id, owner)  # reads the store
-        return await api.respond(stream, request, chat=False,
+        generation = Generation([stream], [len(stream.prompt_ids)], 1, 1, [], False)
+        return await api.respond(generation, request, chat=False,
                                  streaming=bool(body and body.stream), stop=[],
                                  include_usage=False)
 

@@ -69,13 +69,16 @@ def redis_url() -> str:
 def stack(tiny_models, shared_verifier) -> Stack:
     """Verifier + drafter + scheduler (Redis store, API key, traces to files)."""
     drafter, drafter_address = start_drafter(tiny_models)
+    procs = {"drafter": drafter}
     prefix = f"dspark-test-{uuid.uuid4().hex[:8]}:"
-    scheduler, http_port, grpc_port = start_scheduler(
-        tiny_models, shared_verifier.address, drafter_address,
-        extra=("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--api-keys", API_KEY))
-    procs = {"drafter": drafter, "scheduler": scheduler}
     try:
+        # The drafter serving before the scheduler starts: the scheduler gives a drafter 60 s
+        # to answer, which a loaded machine's drafter start-up can take.
         wait_grpc(drafter, drafter_address)
+        scheduler, http_port, grpc_port = start_scheduler(
+            tiny_models, shared_verifier.address, drafter_address,
+            extra=("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--api-keys", API_KEY))
+        procs["scheduler"] = scheduler
         wait_http(scheduler, http_port)
         yield Stack(tiny_models, shared_verifier.address, drafter_address, http_port, grpc_port,
                     procs, prefix)

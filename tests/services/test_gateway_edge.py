@@ -216,3 +216,13 @@ def test_a_store_that_is_down_refuses_before_the_response_starts():
     with pytest.raises(InvalidRequest) as e:
         g.start(g.spec([1], max_tokens=2), g.new_request_id())
     assert e.value.status == 503 and g.loop.submitted == []
+
+
+def test_ignore_eos_submits_no_stop_tokens_and_stores_that():
+    loop = RecordingLoop()
+    gateway = make_gateway(loop)
+    gateway.start(gateway.spec([5, 6], max_tokens=4, ignore_eos=True), "r-ignore")
+    gateway.start(gateway.spec([5, 6], max_tokens=4), "r-stops")
+    ignoring, stopping = loop.submitted
+    assert ignoring.stop_token_ids == [] and ignoring.stored.stop_token_ids == []
+    assert stopping.stop_token_ids == list(gateway.stop_token_ids) != []

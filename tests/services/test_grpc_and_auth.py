@@ -83,7 +83,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "t3"}], "max_t
     ("/v1/completions", {**BASE, "temperature": -0.5}, 400, "temperature must be >= 0"),
     ("/v1/completions", {**BASE, "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {**BASE, "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
-    ("/v1/completions", {**BASE, "n": 2}, 400, "n = 1"),
+    ("/v1/completions", {**BASE, "n": 0}, 400, "n must be in 1..128"),
     ("/v1/chat/completions", {**CHAT, "messages": "hello"}, 400, "'messages' must be"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "'messages' must be"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "t3"}]}, 400,
@@ -108,3 +108,41 @@ def test_bad_json_and_non_object_body(stack):
     # The server is still fine afterwards.
     got, reply = stack.post("/v1/completions", BASE)
     assert got == 200 and reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_grpc_stop_strings_end_the_output_before_them(stack, embedded_greedy):
+    expected = embedded_greedy([11, 12, 13, 14, 15, 16, 2], 24)
+    stop = f" t{expected[6]}"  # the 7th token's word
+    text = " ".join(f"t{t}" for t in expected)
+    request = pb.generation.GenerateRequest(
+        model="tiny", prompt_token_ids=[11, 12, 13, 14, 15, 16, 2], max_tokens=24,
+        sampling=pb.common.SamplingParams(temperature=0.0), stop=["never-produced", stop],
+        logprobs=0)
+    replies = list(generation_stub(stack).Generate(request, metadata=auth(stack), timeout=60))
+    last = replies[-1]
+    assert last.finished and last.finish_reason == "stop"
+    assert "".join(r.text for r in replies) == text[:text.find(stop)]
+    tokens = [t for r in replies for t in r.token_ids]
+    # up to the token whose word completes the stop string (each token is one word here)
+    assert tokens == expected[:len(text[:text.find(stop) + len(stop)].split())]
+    assert sum(len(r.logprobs) for r in replies) == len(tokens)
+    assert last.usage.completion_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"stop": [f"s{i}" for i in range(65)]}, "at most 64 stop strings"),
+])
+def test_grpc_refuses_zero_max_tokens_and_too_many_stops(stack, fields, words):
+    request = pb.generation.GenerateRequest(model="tiny", prompt="t3 t4",
+                                            **{"max_tokens": 4, **fields})
+    with pytest.raises(grpc.RpcError) as e:
+        list(generation_stub(stack).Generate(request, metadata=auth(stack), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+
+
+def test_grpc_max_tokens_absent_means_16(stack):
+    request = pb.generation.GenerateRequest(model="tiny", prompt="t3 t4", ignore_eos=True,
+                                            sampling=pb.common.SamplingParams(temperature=0.0))
+    replies = list(generation_stub(stack).Generate(request, metadata=auth(stack), timeout=60))
+    assert replies[-1].usage.completion_tokens == 16

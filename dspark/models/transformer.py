@@ -53,6 +53,7 @@ from dspark.models.kv_cache import PagedKVCache
 from dspark.models.packed_linear import pack_weight, packed_linear
 from dspark.models.paged_attention import (LONG_QUERY_MIN_TOKENS, long_query_attention,
                                            paged_attention, padded_attention)
+from dspark.models.quantized_linear import BlockWeight, block_linear
 
 
 class AttentionImpl(enum.Enum):
@@ -198,6 +199,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         """W reordered into oneDNN's blocked layout (see `pack`); None: not packed."""
+        self.blocks: BlockWeight | None = None
+        """W as the GGUF file's blocks (see `use_blocks`); None: the dense or packed weight."""
+
+    def use_blocks(self, blocks: BlockWeight, keep_dense: bool) -> None:
+        """Multiply float32 inputs with W read from its GGUF blocks from now on
+        (`dspark.models.quantized_linear`: the same float32 weights, a sixth of the bytes, a
+        batch-invariant order). `keep_dense=False` frees the dense and packed weights."""
+        self.blocks = blocks
+        if not keep_dense:
+            self.weight, self.packed = None, None
 
     def pack(self, keep_dense: bool) -> None:
         """Multiply with a oneDNN-packed copy of W from now on (a CPU, float32 or bf16 where
@@ -212,6 +223,8 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None and x.dtype == torch.float32:
+            return block_linear(x, self.blocks, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         w, b = self.weight, self.bias
@@ -434,6 +447,17 @@ class Transformer(nn.Module):
             if isinstance(module, Linear):
                 module.pack(keep_dense=False)
         self.lm_head.pack(keep_dense=True)
+
+    def use_block_weights(self, weights: dict[str, BlockWeight]) -> None:
+        """Multiply with GGUF blocks from now on (`Linear.use_blocks`): `weights` by module name
+        (`layers.{i}.self_attn.qkv_proj`, ..., `lm_head`; `dspark.models.gguf_blocks`). The
+        layers' dense weights are freed; the LM head keeps its (shared) weight."""
+        modules = dict(self.named_modules())
+        for name, blocks in weights.items():
+            module = modules[name]
+            if not isinstance(module, Linear):
+                raise ValueError(f"{name} is not a Linear")
+            module.use_blocks(blocks, keep_dense=name == "lm_head")
 
     def set_upcast_min_rows(self, rows: int | None) -> None:
         """Rows from which bf16/fp16 matrix products run in float32 (see `Linear`); None: never."""

@@ -53,7 +53,7 @@ run() {
         for weights in q4 float32; do
             echo "== turn $turn: ours, --weights $weights"
             taskset -c "$CPU" "$PYTHON" bench/target_decode.py --weights "$weights" --streams 1 \
-                --dtypes float32 --new-tokens "$NEW_TOKENS" --decode-steps 8 --threads 1 --no-hf
+                --new-tokens "$NEW_TOKENS" --decode-steps 8 --threads 1 --no-hf
         done
     done
 }

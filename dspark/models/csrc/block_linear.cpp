@@ -11,11 +11,10 @@
 // by one fused multiply-add, as the float32 dequantiser's separate multiply and add do), so the
 // product is the float32 model's, in another summation order than a float32 GEMM's.
 //
-// Fixed reduction order (batch invariance): every (row, output) pair has 32 float32 lanes,
-// lo[16] and hi[16]; block b adds x[32b + i] * w[32b + i] into lo[i] and x[32b + 16 + i] *
-// w[32b + 16 + i] into hi[i] by one fused multiply-add each, blocks in order from 0. Then
-// s[i] = lo[i] + hi[i], and the 16 lanes are summed by halving: s[i] += s[i + 8], s[i] += s[i + 4],
-// s[i] += s[i + 2], s[0] + s[1]; then + bias. The number of rows in the call, the row and output
+// Fixed reduction order (batch invariance): every (row, output) pair has 16 float32 lanes s[16];
+// block b adds x[32b + i] * w[32b + i] into s[i], then x[32b + 16 + i] * w[32b + 16 + i] into
+// s[i], by one fused multiply-add each, blocks in order from 0. Then the 16 lanes are summed by
+// halving: s[i] += s[i + 8], s[i] += s[i + 4], s[i] += s[i + 2], s[0] + s[1]; then + bias. The number of rows in the call, the row and output
 // tiling, the thread count and the instruction set (AVX-512, AVX2, portable) change only which
 // pairs are computed together, never this order: a row's outputs are bit-identical alone, in 8 or
 // in 64, and across the three paths.
@@ -51,13 +50,22 @@ inline int64_t block_bytes(Format f) { return f == Format::Q4_1 ? Q4_1_BYTES : Q
 // ---- the 32 weights of one block, widened: lo = weights 0..15, hi = weights 16..31 -------------
 #if defined(__AVX512F__)
 using Vec = __m512;
+inline __m128 halves(const uint8_t* p) {  // [fp16 at p, fp16 at p + 2, ...] -> float32 lanes (F16C, exact)
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+}
 inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
-    const __m512 d = _mm512_set1_ps(half_at(blk));
+    const __m128 dm = halves(blk);
+    const __m512 d = _mm512_broadcastss_ps(dm);
     if (f == Format::Q4_1) {
-        const __m512 m = _mm512_set1_ps(half_at(blk + 2));
+        // table[k] = d * k + m (k = 0..15), then each weight is table[its nibble]: vpermps reads
+        // only an index's low 4 bits, so the low nibble needs no mask.
+        const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+        const __m512 table = _mm512_fmadd_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-        lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), m);
-        hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
+        lo = _mm512_permutexvar_ps(q, table);
+        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     } else {
         const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
         lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
@@ -67,8 +75,7 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float finish(Vec lo, Vec hi) {
-    const __m512 s = _mm512_add_ps(lo, hi);
+inline float finish(Vec s) {
     const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s),
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -78,9 +85,12 @@ inline float finish(Vec lo, Vec hi) {
 #elif defined(__AVX2__)
 struct Vec { __m256 a, b; };  // lanes 0..7 and 8..15 of the 16
 inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
-    const __m256 d = _mm256_set1_ps(half_at(blk));
+    int32_t v;
+    std::memcpy(&v, blk, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(v));  // F16C: d, m exactly
+    const __m256 d = _mm256_broadcastss_ps(dm);
     if (f == Format::Q4_1) {
-        const __m256 m = _mm256_set1_ps(half_at(blk + 2));
+        const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
         const __m256i mask = _mm256_set1_epi32(15);
         const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4)));
         const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 12)));
@@ -99,8 +109,8 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
-inline float finish(Vec lo, Vec hi) {
-    const __m256 s8 = _mm256_add_ps(_mm256_add_ps(lo.a, hi.a), _mm256_add_ps(lo.b, hi.b));
+inline float finish(Vec s) {
+    const __m256 s8 = _mm256_add_ps(s.a, s.b);
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
@@ -130,9 +140,9 @@ inline Vec fma(Vec a, Vec b, Vec c) {
     for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return r;
 }
-inline float finish(Vec lo, Vec hi) {
+inline float finish(Vec acc) {
     float s[16];
-    for (int i = 0; i < 16; ++i) s[i] = lo.v[i] + hi.v[i];
+    std::memcpy(s, acc.v, sizeof s);
     for (int i = 0; i < 8; ++i) s[i] = s[i] + s[i + 8];
     for (int i = 0; i < 4; ++i) s[i] = s[i] + s[i + 4];
     for (int i = 0; i < 2; ++i) s[i] = s[i] + s[i + 2];
@@ -155,29 +165,33 @@ template <int NT, int RT>
 inline void tile(Format f, const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
                  int64_t n0, int64_t r0, const float* bias, float* y, int64_t out) {
     const int64_t nb = in / QK, bb = block_bytes(f);
-    Vec lo[RT][NT], hi[RT][NT];
+    Vec acc[RT][NT];
     for (int r = 0; r < RT; ++r)
-        for (int n = 0; n < NT; ++n) lo[r][n] = hi[r][n] = zero();
+        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
     for (int64_t b = 0; b < nb; ++b) {
         Vec wlo[NT], whi[NT];
         for (int n = 0; n < NT; ++n) widen(f, w + (n0 + n) * row_bytes + b * bb, wlo[n], whi[n]);
         for (int r = 0; r < RT; ++r) {
             const float* xr = x + (r0 + r) * in + b * QK;
             const Vec xlo = load(xr), xhi = load(xr + 16);
-            for (int n = 0; n < NT; ++n) {
-                lo[r][n] = fma(xlo, wlo[n], lo[r][n]);
-                hi[r][n] = fma(xhi, whi[n], hi[r][n]);
-            }
+            for (int n = 0; n < NT; ++n) acc[r][n] = fma(xhi, whi[n], fma(xlo, wlo[n], acc[r][n]));
         }
     }
     for (int r = 0; r < RT; ++r)
         for (int n = 0; n < NT; ++n) {
-            const float s = finish(lo[r][n], hi[r][n]);
+            const float s = finish(acc[r][n]);
             y[(r0 + r) * out + n0 + n] = bias ? s + bias[n0 + n] : s;
         }
 }
 
-constexpr int OUT_TILE = 4;
+// Outputs per tile, and outputs widened together for 4, 2 and 1 rows (register budgets: 32 zmm
+// on AVX-512, 16 ymm on AVX2, each AVX2 Vec two of them).
+constexpr int OUT_TILE = 8;
+#if defined(__AVX512F__)
+constexpr int N4 = 4, N2 = 8, N1 = 8;
+#else
+constexpr int N4 = 2, N2 = 2, N1 = 4;
+#endif
 
 torch::Tensor block_linear(Format f, const torch::Tensor& x_in, const torch::Tensor& blocks,
                            const c10::optional<torch::Tensor>& bias_in) {
@@ -214,12 +228,12 @@ torch::Tensor block_linear(Format f, const torch::Tensor& x_in, const torch::Ten
                     continue;
                 }
                 int64_t r = rc;
-                for (; r + 4 <= rend; r += 4) {
-                    tile<2, 4>(f, xp, in, wp, row_bytes, n0, r, bp, yp, out);
-                    tile<2, 4>(f, xp, in, wp, row_bytes, n0 + 2, r, bp, yp, out);
-                }
-                for (; r + 2 <= rend; r += 2) tile<4, 2>(f, xp, in, wp, row_bytes, n0, r, bp, yp, out);
-                for (; r < rend; ++r) tile<4, 1>(f, xp, in, wp, row_bytes, n0, r, bp, yp, out);
+                for (; r + 4 <= rend; r += 4)
+                    for (int n = 0; n < OUT_TILE; n += N4) tile<N4, 4>(f, xp, in, wp, row_bytes, n0 + n, r, bp, yp, out);
+                for (; r + 2 <= rend; r += 2)
+                    for (int n = 0; n < OUT_TILE; n += N2) tile<N2, 2>(f, xp, in, wp, row_bytes, n0 + n, r, bp, yp, out);
+                for (; r < rend; ++r)
+                    for (int n = 0; n < OUT_TILE; n += N1) tile<N1, 1>(f, xp, in, wp, row_bytes, n0 + n, r, bp, yp, out);
             }
         }
     });

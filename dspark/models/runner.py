@@ -29,6 +29,7 @@ from dspark.models.kv_cache import KVCacheFull, PagedKVCache, RequestId
 from dspark.models.loader import load_model, resolve_dtype
 from dspark.models.packed_linear import packing_available
 from dspark.models.quantized_linear import kernel_available as block_kernel_available
+from dspark.models.quantized_linear import kernel_isa as block_kernel_isa
 from dspark.models.paged_attention import LONG_QUERY_MIN_TOKENS, cpu_kernel_available
 from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
 from dspark.sampling import argmax_first
@@ -76,7 +77,7 @@ class RunnerConfig:
     float32 bytes read per step, batch-invariant: `dspark.models.quantized_linear`); it needs a
     CPU, dtype float32, the GGUF beside the safetensors (`dspark fetch-model`) and a C++
     compiler. "dense": the `dtype` tensors (packed per `cpu_packed_weights`). None: "q4" where
-    it applies, else "dense"."""
+    it applies and the kernel has its AVX-512 or AVX2 path, else "dense"."""
 
     def __post_init__(self) -> None:
         if self.weights not in (None, *WEIGHT_MODES):
@@ -423,6 +424,8 @@ def choose_weights(config: RunnerConfig, model_dir: str | Path | None, device: t
         problems.append("the model folder has no GGUF file (dspark fetch-model keeps it)")
     elif not block_kernel_available():
         problems.append("its C++ kernel does not build here")
+    if config.weights is None and not problems and block_kernel_isa() not in ("avx512", "avx2"):
+        return "dense"  # the portable loops are exact but slower than the packed float32 path
     if config.weights == "q4" and problems:
         raise ValueError("weights='q4' does not apply: " + "; ".join(problems))
     if config.weights is None:

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -35,7 +36,7 @@ namespace {
 constexpr int QK = 32;
 constexpr int64_t Q4_1_BYTES = 20;
 constexpr int64_t Q8_0_BYTES = 34;
-constexpr int ROW_CHUNK = 16;  // rows of x kept hot while a thread's outputs stream past
+constexpr int ROW_CHUNK = 32;  // rows of x kept hot while a thread's outputs stream past
 
 enum class Format { Q4_1, Q8_0 };
 
@@ -74,6 +75,7 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
 }
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float finish(Vec s) {
     const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s),
@@ -108,6 +110,7 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
 }
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
 inline float finish(Vec s) {
     const __m256 s8 = _mm256_add_ps(s.a, s.b);
@@ -135,6 +138,7 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
 }
 inline Vec zero() { Vec z; for (float& v : z.v) v = 0.0f; return z; }
 inline Vec load(const float* p) { Vec z; std::memcpy(z.v, p, sizeof z.v); return z; }
+inline void store(float* p, Vec v) { std::memcpy(p, v.v, sizeof v.v); }
 inline Vec fma(Vec a, Vec b, Vec c) {
     Vec r;
     for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
@@ -184,6 +188,44 @@ inline void tile(Format f, const float* x, int64_t in, const uint8_t* w, int64_t
         }
 }
 
+// Several rows: the tile's weights widened once into `strip` ([outputs][in] float32, the same
+// values `widen` gives), then NT outputs by RT rows read them from there: the same fused
+// multiply-adds in the same order as `tile`, the widening paid once per ROW_CHUNK rows.
+inline void widen_strip(Format f, const uint8_t* w, int64_t row_bytes, int64_t n0, int nt, int64_t in, float* strip) {
+    const int64_t nb = in / QK, bb = block_bytes(f);
+    for (int n = 0; n < nt; ++n)
+        for (int64_t b = 0; b < nb; ++b) {
+            Vec lo, hi;
+            widen(f, w + (n0 + n) * row_bytes + b * bb, lo, hi);
+            store(strip + n * in + b * QK, lo);
+            store(strip + n * in + b * QK + 16, hi);
+        }
+}
+
+template <int NT, int RT>
+inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n0, int n_off, int64_t r0,
+                       const float* bias, float* y, int64_t out) {
+    const int64_t nb = in / QK;
+    Vec acc[RT][NT];
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int r = 0; r < RT; ++r) {
+            const float* xr = x + (r0 + r) * in + b * QK;
+            const Vec xlo = load(xr), xhi = load(xr + 16);
+            for (int n = 0; n < NT; ++n) {
+                const float* wn = strip + (n_off + n) * in + b * QK;
+                acc[r][n] = fma(xhi, load(wn + 16), fma(xlo, load(wn), acc[r][n]));
+            }
+        }
+    }
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) {
+            const float s = finish(acc[r][n]);
+            y[(r0 + r) * out + n0 + n_off + n] = bias ? s + bias[n0 + n_off + n] : s;
+        }
+}
+
 // Outputs per tile, and outputs widened together for 4, 2 and 1 rows (register budgets: 32 zmm
 // on AVX-512, 16 ymm on AVX2, each AVX2 Vec two of them).
 constexpr int OUT_TILE = 8;
@@ -218,6 +260,8 @@ torch::Tensor block_linear(Format f, const torch::Tensor& x_in, const torch::Ten
     float* yp = y.data_ptr<float>();
     const int64_t tiles = (out + OUT_TILE - 1) / OUT_TILE;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> strip_buf(rows >= 2 ? OUT_TILE * in : 0);
+        float* strip = strip_buf.data();
         for (int64_t rc = 0; rc < rows; rc += ROW_CHUNK) {
             const int64_t rend = std::min(rows, rc + ROW_CHUNK);
             for (int64_t t = t0; t < t1; ++t) {
@@ -228,10 +272,14 @@ torch::Tensor block_linear(Format f, const torch::Tensor& x_in, const torch::Ten
                     continue;
                 }
                 int64_t r = rc;
-                for (; r + 4 <= rend; r += 4)
-                    for (int n = 0; n < OUT_TILE; n += N4) tile<N4, 4>(f, xp, in, wp, row_bytes, n0 + n, r, bp, yp, out);
-                for (; r + 2 <= rend; r += 2)
-                    for (int n = 0; n < OUT_TILE; n += N2) tile<N2, 2>(f, xp, in, wp, row_bytes, n0 + n, r, bp, yp, out);
+                if (rend - rc >= 2) {
+                    widen_strip(f, wp, row_bytes, n0, OUT_TILE, in, strip);
+                    for (; r + 4 <= rend; r += 4)
+                        for (int n = 0; n < OUT_TILE; n += N4) strip_tile<N4, 4>(xp, in, strip, n0, n, r, bp, yp, out);
+                    for (; r + 2 <= rend; r += 2)
+                        for (int n = 0; n < OUT_TILE; n += N2) strip_tile<N2, 2>(xp, in, strip, n0, n, r, bp, yp, out);
+                    for (; r < rend; ++r) strip_tile<OUT_TILE, 1>(xp, in, strip, n0, 0, r, bp, yp, out);
+                }
                 for (; r < rend; ++r)
                     for (int n = 0; n < OUT_TILE; n += N1) tile<N1, 1>(f, xp, in, wp, row_bytes, n0 + n, r, bp, yp, out);
             }

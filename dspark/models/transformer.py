@@ -201,14 +201,20 @@ class Linear(nn.Module):
         """W reordered into oneDNN's blocked layout (see `pack`); None: not packed."""
         self.blocks: BlockWeight | None = None
         """W as the GGUF file's blocks (see `use_blocks`); None: the dense or packed weight."""
+        self.blocks_max_rows: int | None = None
+        """Products over more rows than this use the packed weight instead of the blocks; None: never."""
 
-    def use_blocks(self, blocks: BlockWeight, keep_dense: bool) -> None:
+    def use_blocks(self, blocks: BlockWeight, keep_dense: bool, max_rows: int | None = None) -> None:
         """Multiply float32 inputs with W read from its GGUF blocks from now on
         (`dspark.models.quantized_linear`: the same float32 weights, a sixth of the bytes, a
-        batch-invariant order). `keep_dense=False` frees the dense and packed weights."""
-        self.blocks = blocks
+        batch-invariant order). With `max_rows`, products over more rows use the packed weights
+        (if packed; faster there). `keep_dense=False` frees the dense weight (and, without
+        `max_rows`, the packed one)."""
+        self.blocks, self.blocks_max_rows = blocks, max_rows
         if not keep_dense:
-            self.weight, self.packed = None, None
+            self.weight = None
+            if max_rows is None:
+                self.packed = None
 
     def pack(self, keep_dense: bool) -> None:
         """Multiply with a oneDNN-packed copy of W from now on (a CPU, float32 or bf16 where
@@ -223,7 +229,9 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None and x.dtype == torch.float32:
+        if self.blocks is not None and x.dtype == torch.float32 and (
+                self.packed is None or self.blocks_max_rows is None
+                or x.numel() // x.shape[-1] <= self.blocks_max_rows):
             return block_linear(x, self.blocks, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
@@ -448,16 +456,17 @@ class Transformer(nn.Module):
                 module.pack(keep_dense=False)
         self.lm_head.pack(keep_dense=True)
 
-    def use_block_weights(self, weights: dict[str, BlockWeight]) -> None:
+    def use_block_weights(self, weights: dict[str, BlockWeight], max_rows: int | None = None) -> None:
         """Multiply with GGUF blocks from now on (`Linear.use_blocks`): `weights` by module name
-        (`layers.{i}.self_attn.qkv_proj`, ..., `lm_head`; `dspark.models.gguf_blocks`). The
-        layers' dense weights are freed; the LM head keeps its (shared) weight."""
+        (`layers.{i}.self_attn.qkv_proj`, ..., `lm_head`; `dspark.models.gguf_blocks`), up to
+        `max_rows` rows per product where the weights are also packed. The layers' dense weights
+        are freed; the LM head keeps its (shared) weight."""
         modules = dict(self.named_modules())
         for name, blocks in weights.items():
             module = modules[name]
             if not isinstance(module, Linear):
                 raise ValueError(f"{name} is not a Linear")
-            module.use_blocks(blocks, keep_dense=name == "lm_head")
+            module.use_blocks(blocks, keep_dense=name == "lm_head", max_rows=max_rows)
 
     def set_upcast_min_rows(self, rows: int | None) -> None:
         """Rows from which bf16/fp16 matrix products run in float32 (see `Linear`); None: never."""

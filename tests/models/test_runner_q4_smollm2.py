@@ -54,6 +54,13 @@ def runner(gguf_dir):
 
 
 @pytest.fixture(scope="module")
+def strict_runner(gguf_dir):
+    """Blocks for every pass, however many rows (q4_max_rows=None)."""
+    return TargetRunner(gguf_dir, RunnerConfig(dtype="float32", weights="q4", q4_max_rows=None,
+                                               kv_cache_tokens=4096))
+
+
+@pytest.fixture(scope="module")
 def prompts(hf, eval_dir):
     _, tokenizer = hf
     texts = []
@@ -101,8 +108,11 @@ def test_greedy_token_identical_to_transformers(runner, prompts, expected, hf):
         assert ours == theirs, f"prompt {i}"
 
 
-def test_logits_batch_invariant(runner, prompts):
-    """A request's verification logits (8 rows) are the same bits alone and beside three others."""
+def test_logits_batch_invariant(strict_runner, prompts):
+    """A request's verification logits (8 rows) are the same bits alone and beside three others,
+    its prompt prefilled alone or beside theirs (q4_max_rows=None: blocks for every pass)."""
+    runner = strict_runner
+
     def logits(batch: list[int]) -> list[torch.Tensor]:
         for i in batch:
             runner.add_request(("inv", i))

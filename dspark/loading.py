@@ -45,9 +45,11 @@ def is_checkpoint(folder: Path) -> bool:
 
 
 def load_target(model_dir: str | Path, hidden_layer_ids: tuple[int, ...], *,
-                kv_cache_tokens: int, device: str = "cpu", dtype: str | None = None) -> TargetRunner:
-    """The target runner returning the hidden states of `hidden_layer_ids` for every token."""
-    return TargetRunner(model_dir, RunnerConfig(device=device, dtype=dtype,
+                kv_cache_tokens: int, device: str = "cpu", dtype: str | None = None,
+                weights: str | None = None) -> TargetRunner:
+    """The target runner returning the hidden states of `hidden_layer_ids` for every token
+    (`weights`: RunnerConfig.weights)."""
+    return TargetRunner(model_dir, RunnerConfig(device=device, dtype=dtype, weights=weights,
                                                 hidden_layer_ids=tuple(hidden_layer_ids),
                                                 kv_cache_tokens=kv_cache_tokens))
 
@@ -143,7 +145,7 @@ def build_engine(target: TargetRunner | TargetVerifier, drafter: Drafter | None,
 def load_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
                 cost_table_path: Path | None, max_running: int = 16,
                 sparse_top_k: int | None = None, device: str = "cpu",
-                verification: str = "token"):
+                verification: str = "token", weights: str | None = None):
     """The embedded engine over the target in `model_dir` and the drafter in `drafter_dir` (none
     when it is None or the policy is `none`); returns (engine, tokenizer). The cost table SPS(B)
     is read from `cost_table_path` when that file exists, else measured now (and saved there
@@ -155,7 +157,7 @@ def load_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: s
     use_drafter = drafter_dir is not None and parsed.drafts
     layer_ids = tuple(DrafterConfig.load(drafter_dir).target_layer_ids) if use_drafter else ()
     runner = load_target(model_dir, layer_ids, kv_cache_tokens=max_running * 4096, device=device,
-                         dtype=dtype)
+                         dtype=dtype, weights=weights)
     drafter = (load_method_drafter(drafter_dir, runner, apply_calibration=True)
                if use_drafter else None)
     if cost_table_path is not None and Path(cost_table_path).exists():

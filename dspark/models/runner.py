@@ -24,15 +24,21 @@ from pathlib import Path
 import torch
 
 from dspark.models.config import ModelConfig
+from dspark.models.gguf_blocks import check_against_dense, find_gguf, read_block_weights
 from dspark.models.kv_cache import KVCacheFull, PagedKVCache, RequestId
 from dspark.models.loader import load_model, resolve_dtype
 from dspark.models.packed_linear import packing_available
+from dspark.models.quantized_linear import kernel_available as block_kernel_available
+from dspark.models.quantized_linear import kernel_isa as block_kernel_isa
 from dspark.models.paged_attention import LONG_QUERY_MIN_TOKENS, cpu_kernel_available
 from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
 from dspark.sampling import argmax_first
 
-__all__ = ["RunnerConfig", "ForwardItem", "ForwardOutput", "TargetRunner", "KVCacheFull",
+__all__ = ["RunnerConfig", "WEIGHT_MODES", "choose_weights", "ForwardItem", "ForwardOutput", "TargetRunner", "KVCacheFull",
            "generate_greedy"]
+
+
+WEIGHT_MODES = ("q4", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +71,23 @@ class RunnerConfig:
     token and 1.9-2.3x at 2-8 than MKL on a 2-core CPU; bf16 on an AVX512-BF16 CPU: 1.5-2x faster
     than F.linear, and no per-call float32 copy of every weight as with the upcast. False: MKL."""
 
+    weights: str | None = None
+    """How the target's linear weights are held. "q4": the model folder's GGUF blocks as stored
+    (Q4_1 layer projections, Q8_0 LM head; float32 activations and accumulation, a sixth of the
+    float32 bytes read per step, batch-invariant: `dspark.models.quantized_linear`); it needs a
+    CPU, dtype float32, the GGUF beside the safetensors (`dspark fetch-model`) and a C++
+    compiler. "dense": the `dtype` tensors (packed per `cpu_packed_weights`). None: "q4" where
+    it applies and the kernel has its AVX-512 or AVX2 path, else "dense"."""
+
+    q4_max_rows: int | None = 64
+    """weights "q4": passes of more rows than this multiply with the packed float32 weights (kept
+    beside the blocks), which run many rows about 2x faster than the block kernel (prompt
+    chunks, verification of many streams); up to it, a row's result is the same bits in any
+    batch. None: the blocks for every pass (batch-invariant at any size; no packed copy)."""
+
     def __post_init__(self) -> None:
+        if self.weights not in (None, *WEIGHT_MODES):
+            raise ValueError(f"weights must be one of {WEIGHT_MODES} or None, got {self.weights!r}")
         if self.block_size <= 0 or self.kv_cache_tokens <= 0 or self.max_tokens_per_pass <= 0:
             raise ValueError("block_size, kv_cache_tokens and max_tokens_per_pass must be positive")
         if self.dtype is not None:
@@ -142,8 +164,17 @@ class TargetRunner:
         self.model = model if model is not None else load_model(model_dir, self.dtype, self.device)
         low_precision_cpu = self.device.type == "cpu" and self.dtype != torch.float32
         self.model.set_upcast_min_rows(config.cpu_upcast_min_rows if low_precision_cpu else None)
-        if config.cpu_packed_weights and packing_available(self.device, self.dtype):
+        self.weights = choose_weights(config, model_dir if model is None else None, self.device, self.dtype)
+        """"q4" or "dense": how the linears' weights are held (RunnerConfig.weights, resolved)."""
+        blocks = None
+        if self.weights == "q4":
+            blocks = read_block_weights(find_gguf(model_dir), self.model.config)
+            _check_blocks(self.model, blocks)
+        packed = config.cpu_packed_weights and packing_available(self.device, self.dtype)
+        if packed and (blocks is None or config.q4_max_rows is not None):
             self.model.pack_linear_weights()
+        if blocks is not None:
+            self.model.use_block_weights(blocks, max_rows=config.q4_max_rows if packed else None)
         self.attention = config.attention or default_attention(self.device)
         mc = self.model_config
         bad = [i for i in config.hidden_layer_ids if not 0 <= i < mc.num_hidden_layers]
@@ -390,6 +421,37 @@ def long_queries(query_lens: list[int], context_lens: list[int], block_tables: t
 ATTENTION_ENV = "DSPARK_ATTENTION"
 """Names the `AttentionImpl` (its value, e.g. `per_request`) of every runner that is not given one:
 a whole service stack or benchmark compares implementations without a flag in each process."""
+
+
+def choose_weights(config: RunnerConfig, model_dir: str | Path | None, device: torch.device,
+                   dtype: torch.dtype) -> str:
+    """RunnerConfig.weights resolved for this model folder (None: a model passed in) and machine."""
+    problems = []
+    if device.type != "cpu" or dtype != torch.float32:
+        problems.append("it runs on a CPU in float32 only")
+    if model_dir is None or find_gguf(model_dir) is None:
+        problems.append("the model folder has no GGUF file (dspark fetch-model keeps it)")
+    elif not block_kernel_available():
+        problems.append("its C++ kernel does not build here")
+    if config.weights is None and not problems and block_kernel_isa() not in ("avx512", "avx2"):
+        return "dense"  # the portable loops are exact but slower than the packed float32 path
+    if config.weights == "q4" and problems:
+        raise ValueError("weights='q4' does not apply: " + "; ".join(problems))
+    if config.weights is None:
+        return "dense" if problems else "q4"
+    return config.weights
+
+
+def _check_blocks(model: Transformer, blocks: dict) -> None:
+    """The GGUF blocks of the first and last layer and of the LM head must dequantise to the
+    folder's float32 weights bit for bit (the file is the one the folder was made from)."""
+    last = model.config.num_hidden_layers - 1
+    dense = {}
+    for name in blocks:
+        if name == "lm_head" or name.startswith(("layers.0.", f"layers.{last}.")):
+            module = model.get_submodule(name)
+            dense[name] = module.weight.t() if module.transposed else module.weight  # [out, in]
+    check_against_dense({name: blocks[name] for name in dense}, dense)
 
 
 def default_attention(device: torch.device) -> AttentionImpl:

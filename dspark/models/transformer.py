@@ -53,6 +53,7 @@ from dspark.models.kv_cache import PagedKVCache
 from dspark.models.packed_linear import pack_weight, packed_linear
 from dspark.models.paged_attention import (LONG_QUERY_MIN_TOKENS, long_query_attention,
                                            paged_attention, padded_attention)
+from dspark.models.quantized_linear import BlockWeight, block_linear
 
 
 class AttentionImpl(enum.Enum):
@@ -198,6 +199,22 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         """W reordered into oneDNN's blocked layout (see `pack`); None: not packed."""
+        self.blocks: BlockWeight | None = None
+        """W as the GGUF file's blocks (see `use_blocks`); None: the dense or packed weight."""
+        self.blocks_max_rows: int | None = None
+        """Products over more rows than this use the packed weight instead of the blocks; None: never."""
+
+    def use_blocks(self, blocks: BlockWeight, keep_dense: bool, max_rows: int | None = None) -> None:
+        """Multiply float32 inputs with W read from its GGUF blocks from now on
+        (`dspark.models.quantized_linear`: the same float32 weights, a sixth of the bytes, a
+        batch-invariant order). With `max_rows`, products over more rows use the packed weights
+        (if packed; faster there). `keep_dense=False` frees the dense weight (and, without
+        `max_rows`, the packed one)."""
+        self.blocks, self.blocks_max_rows = blocks, max_rows
+        if not keep_dense:
+            self.weight = None
+            if max_rows is None:
+                self.packed = None
 
     def pack(self, keep_dense: bool) -> None:
         """Multiply with a oneDNN-packed copy of W from now on (a CPU, float32 or bf16 where
@@ -212,6 +229,10 @@ class Linear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None and x.dtype == torch.float32 and (
+                self.packed is None or self.blocks_max_rows is None
+                or x.numel() // x.shape[-1] <= self.blocks_max_rows):
+            return block_linear(x, self.blocks, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         w, b = self.weight, self.bias
@@ -434,6 +455,18 @@ class Transformer(nn.Module):
             if isinstance(module, Linear):
                 module.pack(keep_dense=False)
         self.lm_head.pack(keep_dense=True)
+
+    def use_block_weights(self, weights: dict[str, BlockWeight], max_rows: int | None = None) -> None:
+        """Multiply with GGUF blocks from now on (`Linear.use_blocks`): `weights` by module name
+        (`layers.{i}.self_attn.qkv_proj`, ..., `lm_head`; `dspark.models.gguf_blocks`), up to
+        `max_rows` rows per product where the weights are also packed. The layers' dense weights
+        are freed; the LM head keeps its (shared) weight."""
+        modules = dict(self.named_modules())
+        for name, blocks in weights.items():
+            module = modules[name]
+            if not isinstance(module, Linear):
+                raise ValueError(f"{name} is not a Linear")
+            module.use_blocks(blocks, keep_dense=name == "lm_head", max_rows=max_rows)
 
     def set_upcast_min_rows(self, rows: int | None) -> None:
         """Rows from which bf16/fp16 matrix products run in float32 (see `Linear`); None: never."""

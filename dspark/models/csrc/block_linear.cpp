@@ -1,0 +1,307 @@
+// y[rows, out] = x[rows, in] @ W^T + b, with W read from GGUF quantised blocks as they are.
+//
+// Block formats (ggml's block_q4_1 / block_q8_0, 32 weights of one output row each):
+//   Q4_1, 20 bytes: fp16 d, fp16 m, 16 bytes qs; weight j (0..15)  = d * (qs[j] & 15) + m,
+//                                                weight j + 16      = d * (qs[j] >> 4) + m.
+//   Q8_0, 34 bytes: fp16 d, 32 int8 q;          weight j           = d * q[j].
+// W's row n is blocks [n, 0 .. in/32 - 1], stored back to back ([out, in/32 * block bytes] uint8).
+//
+// Every weight is widened in registers to exactly the float32 value of the dequantised model
+// (d * q is exact in float32: an 11-bit by a 4- or 8-bit integer; Q4_1 then rounds once on + m,
+// by one fused multiply-add, as the float32 dequantiser's separate multiply and add do), so the
+// product is the float32 model's, in another summation order than a float32 GEMM's.
+//
+// Fixed reduction order (batch invariance): every (row, output) pair has 16 float32 lanes s[16];
+// block b adds x[32b + i] * w[32b + i] into s[i], then x[32b + 16 + i] * w[32b + 16 + i] into
+// s[i], by one fused multiply-add each, blocks in order from 0. Then the 16 lanes are summed by
+// halving: s[i] += s[i + 8], s[i] += s[i + 4], s[i] += s[i + 2], s[0] + s[1]; then + bias. The number of rows in the call, the row and output
+// tiling, the thread count and the instruction set (AVX-512, AVX2, portable) change only which
+// pairs are computed together, never this order: a row's outputs are bit-identical alone, in 8 or
+// in 64, and across the three paths.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int64_t Q4_1_BYTES = 20;
+constexpr int64_t Q8_0_BYTES = 34;
+constexpr int ROW_CHUNK = 32;  // rows of x kept hot while a thread's outputs stream past
+
+enum class Format { Q4_1, Q8_0 };
+
+inline float half_at(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+inline int64_t block_bytes(Format f) { return f == Format::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES; }
+
+// ---- the 32 weights of one block, widened: lo = weights 0..15, hi = weights 16..31 -------------
+#if defined(__AVX512F__)
+using Vec = __m512;
+inline __m128 halves(const uint8_t* p) {  // [fp16 at p, fp16 at p + 2, ...] -> float32 lanes (F16C, exact)
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+}
+inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
+    const __m128 dm = halves(blk);
+    const __m512 d = _mm512_broadcastss_ps(dm);
+    if (f == Format::Q4_1) {
+        // table[k] = d * k + m (k = 0..15), then each weight is table[its nibble]: vpermps reads
+        // only an index's low 4 bits, so the low nibble needs no mask.
+        const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+        const __m512 table = _mm512_fmadd_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+        lo = _mm512_permutexvar_ps(q, table);
+        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    } else {
+        const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
+        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+    }
+}
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float finish(Vec s) {
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#elif defined(__AVX2__)
+struct Vec { __m256 a, b; };  // lanes 0..7 and 8..15 of the 16
+inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
+    int32_t v;
+    std::memcpy(&v, blk, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(v));  // F16C: d, m exactly
+    const __m256 d = _mm256_broadcastss_ps(dm);
+    if (f == Format::Q4_1) {
+        const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+        const __m256i mask = _mm256_set1_epi32(15);
+        const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4)));
+        const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 12)));
+        lo.a = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q0, mask)), m);
+        lo.b = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q1, mask)), m);
+        hi.a = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), m);
+        hi.b = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), m);
+    } else {
+        auto part = [&](int k) {
+            return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * k)))));
+        };
+        lo.a = part(0); lo.b = part(1); hi.a = part(2); hi.b = part(3);
+    }
+}
+inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+inline float finish(Vec s) {
+    const __m256 s8 = _mm256_add_ps(s.a, s.b);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#else
+struct Vec { float v[16]; };
+inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
+    const float d = half_at(blk);
+    if (f == Format::Q4_1) {
+        const float m = half_at(blk + 2);
+        for (int i = 0; i < 16; ++i) {
+            lo.v[i] = std::fma(d, static_cast<float>(blk[4 + i] & 15), m);
+            hi.v[i] = std::fma(d, static_cast<float>(blk[4 + i] >> 4), m);
+        }
+    } else {
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int i = 0; i < 16; ++i) {
+            lo.v[i] = d * static_cast<float>(q[i]);
+            hi.v[i] = d * static_cast<float>(q[16 + i]);
+        }
+    }
+}
+inline Vec zero() { Vec z; for (float& v : z.v) v = 0.0f; return z; }
+inline Vec load(const float* p) { Vec z; std::memcpy(z.v, p, sizeof z.v); return z; }
+inline void store(float* p, Vec v) { std::memcpy(p, v.v, sizeof v.v); }
+inline Vec fma(Vec a, Vec b, Vec c) {
+    Vec r;
+    for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return r;
+}
+inline float finish(Vec acc) {
+    float s[16];
+    std::memcpy(s, acc.v, sizeof s);
+    for (int i = 0; i < 8; ++i) s[i] = s[i] + s[i + 8];
+    for (int i = 0; i < 4; ++i) s[i] = s[i] + s[i + 4];
+    for (int i = 0; i < 2; ++i) s[i] = s[i] + s[i + 2];
+    return s[0] + s[1];
+}
+#endif
+
+const char* isa_name() {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
+// NT outputs (n0 ..) by RT rows (r0 ..): each weight block widened once for the RT rows.
+template <int NT, int RT>
+inline void tile(Format f, const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                 int64_t n0, int64_t r0, const float* bias, float* y, int64_t out) {
+    const int64_t nb = in / QK, bb = block_bytes(f);
+    Vec acc[RT][NT];
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
+    for (int64_t b = 0; b < nb; ++b) {
+        Vec wlo[NT], whi[NT];
+        for (int n = 0; n < NT; ++n) widen(f, w + (n0 + n) * row_bytes + b * bb, wlo[n], whi[n]);
+        for (int r = 0; r < RT; ++r) {
+            const float* xr = x + (r0 + r) * in + b * QK;
+            const Vec xlo = load(xr), xhi = load(xr + 16);
+            for (int n = 0; n < NT; ++n) acc[r][n] = fma(xhi, whi[n], fma(xlo, wlo[n], acc[r][n]));
+        }
+    }
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) {
+            const float s = finish(acc[r][n]);
+            y[(r0 + r) * out + n0 + n] = bias ? s + bias[n0 + n] : s;
+        }
+}
+
+// Several rows: the tile's weights widened once into `strip` ([outputs][in] float32, the same
+// values `widen` gives), then NT outputs by RT rows read them from there: the same fused
+// multiply-adds in the same order as `tile`, the widening paid once per ROW_CHUNK rows.
+inline void widen_strip(Format f, const uint8_t* w, int64_t row_bytes, int64_t n0, int nt, int64_t in, float* strip) {
+    const int64_t nb = in / QK, bb = block_bytes(f);
+    for (int n = 0; n < nt; ++n)
+        for (int64_t b = 0; b < nb; ++b) {
+            Vec lo, hi;
+            widen(f, w + (n0 + n) * row_bytes + b * bb, lo, hi);
+            store(strip + n * in + b * QK, lo);
+            store(strip + n * in + b * QK + 16, hi);
+        }
+}
+
+template <int NT, int RT>
+inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n0, int n_off, int64_t r0,
+                       const float* bias, float* y, int64_t out) {
+    const int64_t nb = in / QK;
+    Vec acc[RT][NT];
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int r = 0; r < RT; ++r) {
+            const float* xr = x + (r0 + r) * in + b * QK;
+            const Vec xlo = load(xr), xhi = load(xr + 16);
+            for (int n = 0; n < NT; ++n) {
+                const float* wn = strip + (n_off + n) * in + b * QK;
+                acc[r][n] = fma(xhi, load(wn + 16), fma(xlo, load(wn), acc[r][n]));
+            }
+        }
+    }
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) {
+            const float s = finish(acc[r][n]);
+            y[(r0 + r) * out + n0 + n_off + n] = bias ? s + bias[n0 + n_off + n] : s;
+        }
+}
+
+// Outputs per tile, and outputs widened together for 4, 2 and 1 rows (register budgets: 32 zmm
+// on AVX-512, 16 ymm on AVX2, each AVX2 Vec two of them).
+constexpr int OUT_TILE = 8;
+#if defined(__AVX512F__)
+constexpr int N4 = 4, N2 = 8, N1 = 8;
+#else
+constexpr int N4 = 2, N2 = 2, N1 = 4;
+#endif
+
+torch::Tensor block_linear(Format f, const torch::Tensor& x_in, const torch::Tensor& blocks,
+                           const c10::optional<torch::Tensor>& bias_in) {
+    TORCH_CHECK(x_in.device().is_cpu() && blocks.device().is_cpu(), "block_linear: CPU tensors only");
+    TORCH_CHECK(x_in.scalar_type() == torch::kFloat32, "block_linear: x must be float32");
+    TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2, "block_linear: blocks [out, bytes] uint8");
+    TORCH_CHECK(x_in.dim() == 2, "block_linear: x [rows, in]");
+    const torch::Tensor x = x_in.contiguous();
+    const torch::Tensor w = blocks.contiguous();
+    const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
+    TORCH_CHECK(in % QK == 0, "block_linear: in_features must be a multiple of 32");
+    const int64_t row_bytes = in / QK * block_bytes(f);
+    TORCH_CHECK(w.size(1) == row_bytes, "block_linear: blocks have ", w.size(1), " bytes per output, expected ", row_bytes);
+    torch::Tensor bias;
+    if (bias_in.has_value() && bias_in->defined()) {
+        bias = bias_in->contiguous();
+        TORCH_CHECK(bias.scalar_type() == torch::kFloat32 && bias.numel() == out, "block_linear: bias [out] float32");
+    }
+    torch::Tensor y = torch::empty({rows, out}, x.options());
+    if (rows == 0 || out == 0) return y;
+    const float* xp = x.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    float* yp = y.data_ptr<float>();
+    const int64_t tiles = (out + OUT_TILE - 1) / OUT_TILE;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> strip_buf(rows >= 2 ? OUT_TILE * in : 0);
+        float* strip = strip_buf.data();
+        for (int64_t rc = 0; rc < rows; rc += ROW_CHUNK) {
+            const int64_t rend = std::min(rows, rc + ROW_CHUNK);
+            for (int64_t t = t0; t < t1; ++t) {
+                const int64_t n0 = t * OUT_TILE;
+                if (n0 + OUT_TILE > out) {  // a partial tile: one output at a time
+                    for (int64_t n = n0; n < out; ++n)
+                        for (int64_t r = rc; r < rend; ++r) tile<1, 1>(f, xp, in, wp, row_bytes, n, r, bp, yp, out);
+                    continue;
+                }
+                int64_t r = rc;
+                if (rend - rc >= 2) {
+                    widen_strip(f, wp, row_bytes, n0, OUT_TILE, in, strip);
+                    for (; r + 4 <= rend; r += 4)
+                        for (int n = 0; n < OUT_TILE; n += N4) strip_tile<N4, 4>(xp, in, strip, n0, n, r, bp, yp, out);
+                    for (; r + 2 <= rend; r += 2)
+                        for (int n = 0; n < OUT_TILE; n += N2) strip_tile<N2, 2>(xp, in, strip, n0, n, r, bp, yp, out);
+                    for (; r < rend; ++r) strip_tile<OUT_TILE, 1>(xp, in, strip, n0, 0, r, bp, yp, out);
+                }
+                for (; r < rend; ++r)
+                    for (int n = 0; n < OUT_TILE; n += N1) tile<N1, 1>(f, xp, in, wp, row_bytes, n0 + n, r, bp, yp, out);
+            }
+        }
+    });
+    return y;
+}
+
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, const c10::optional<torch::Tensor>& bias) {
+    return block_linear(Format::Q4_1, x, blocks, bias);
+}
+
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, const c10::optional<torch::Tensor>& bias) {
+    return block_linear(Format::Q8_0, x, blocks, bias);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("q4_1_linear", &q4_1_linear, "x[rows, in] @ W^T (+ b), W as GGUF Q4_1 blocks [out, in/32*20] uint8",
+          py::arg("x"), py::arg("blocks"), py::arg("bias") = py::none());
+    m.def("q8_0_linear", &q8_0_linear, "x[rows, in] @ W^T (+ b), W as GGUF Q8_0 blocks [out, in/32*34] uint8",
+          py::arg("x"), py::arg("blocks"), py::arg("bias") = py::none());
+    m.def("isa", &isa_name, "which path this build runs: avx512, avx2 or portable");
+}

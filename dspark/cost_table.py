@@ -460,19 +460,22 @@ class CostTable:
             self.draft_seconds = (1.0 - w) * self.draft_seconds + w * seconds
 
 
-def cost_table_name(model: str, dtype: str, device_kind: str) -> str:
-    """The file name of the table for one model, dtype and device kind
-    (dspark.devices.device_kind: "cpu", "cuda-nvidia-h100-80gb-hbm3", ...)."""
+def cost_table_name(model: str, dtype: str, device_kind: str, weights: str | None = None) -> str:
+    """The file name of the table for one model, dtype, device kind
+    (dspark.devices.device_kind: "cpu", "cuda-nvidia-h100-80gb-hbm3", ...) and weight format
+    (RunnerConfig.weights: "q4" names itself; dense weights, or None, add nothing)."""
     safe = lambda s: "".join(c if c.isalnum() or c in "-._" else "-" for c in str(s))  # noqa: E731
-    return f"cost_table_{safe(model)}_{safe(dtype)}_{safe(device_kind)}.json"
+    fmt = f"_{safe(weights)}" if weights not in (None, "dense") else ""
+    return f"cost_table_{safe(model)}_{safe(dtype)}{fmt}_{safe(device_kind)}.json"
 
 
-def default_cost_table_path(home: str | Path, model: str, dtype: str, device: str) -> Path:
+def default_cost_table_path(home: str | Path, model: str, dtype: str, device: str,
+                            weights: str | None = None) -> Path:
     """Where `dspark profile` writes, and `dspark generate` reads, the table of `model` in
-    `dtype` on `device` (a resolved torch device: "cpu", "cuda:0")."""
+    `dtype` on `device` (a resolved torch device: "cpu", "cuda:0") with `weights`."""
     from dspark.devices import device_kind
 
-    return Path(home) / cost_table_name(model, dtype, device_kind(device))
+    return Path(home) / cost_table_name(model, dtype, device_kind(device), weights)
 
 
 def _check_count(value: int, what: str) -> int:

@@ -17,19 +17,20 @@ Run 2 (`--run 2`):
 Every figure is written with the device name and the torch and CUDA versions beside it:
 `--out`/gpu.json and `--out`/gpu.md (docs/results/ when committed).
 
+The payload (scripts/gpu_payload.py): `pack` here writes .gpu/check/part1..N, each a folder one
+device call carries; on the machine `run1 --payload .gpu/check/part1` checks and stashes its part
+(outside the repository, /tmp/dspark-payload) and runs the smoke round, `stash --payload partK`
+carries a middle part, and `run2 --payload partN` stashes the last part, assembles the target
+(digests, chunks joined, the GGUF converted, tensors compared) and runs (a) to (d). docs/gpu.md,
+"Prepared device check", has the calls; tests/test_gpu_payload.py rehearses them on the CPU.
+
 Rehearsal on a CPU (`--device cpu --tiny`): the tiny random target and drafter of the tests
 (loadtest.tiny_models) stand in for SmolLM2 and the shipped drafter; every step runs, only
 smaller. tests/test_gpu_check.py runs it.
 
-On the GPU machine (no internet; torch 2.11 + CUDA 13, transformers 5.17, triton 3.6, grpcio):
-
-    python3 scripts/gpu_check.py --run 1 --device cuda --model-dir M --drafter-dir D \\
-        --manifest MANIFEST.json --out $OUT
-    python3 scripts/gpu_check.py --run 2 --device cuda --model-dir M --drafter-dir D \\
-        --prompts-file P.jsonl --out $OUT
-
-Each run is sized to end within 8 minutes on one H100 (`--budget-s`, default 420: the speed
-grid stops early and says so when it runs out).
+Every phase runs under a share of the run's budget (`--budget-s`: 150 s for run1 and 400 s for
+run2 on CUDA, inside device calls of 240 and 480 s) and the results are written after each phase,
+so a run stopped from outside still returns what it measured.
 """
 
 from __future__ import annotations
@@ -424,7 +425,7 @@ def budget(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_phases(results: dict, phases: list, out: Path, total_s: float) -> None:
+def run_phases(results: dict, phases: list, out: Path | list[Path], total_s: float) -> None:
     """Each (name, share of `total_s`, step) in turn under its budget; the results written after
     every phase, so that a run stopped from outside still leaves what it measured in `out`."""
     timings = results.setdefault("phases (seconds, budget)", {})
@@ -437,7 +438,8 @@ def run_phases(results: dict, phases: list, out: Path, total_s: float) -> None:
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         timings[name] = f"{time.monotonic() - start:.0f} / {share * total_s:.0f}"
         print(f"{name}: {timings[name]} s", file=sys.stderr, flush=True)
-        write(results, out)
+        for folder in out if isinstance(out, list) else [out]:
+            write(results, folder)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -491,8 +493,11 @@ def pack_main(argv: list[str]) -> int:
                    help="JSONL of {'turns': [...]} instead of --eval-dir's sets")
     p.add_argument("--per-set", type=int, default=16, help="prompts of each eval set")
     p.add_argument("--wheels-dir", type=Path, default=REPO / ".gpu" / "wheels",
-                   help="the gguf wheel for python 3.12 (downloaded here when absent)")
-    p.add_argument("--chunk-mib", type=float, default=4.0)
+                   help="where the wheels for python 3.12 are downloaded (once)")
+    p.add_argument("--wheel", action="append", default=None,
+                   help="a package the GPU machine lacks, at this venv's version (default: "
+                        f"{', '.join(MISSING_ON_DEVICE)})")
+    p.add_argument("--chunk-mib", type=float, default=1.0)
     p.add_argument("--limit-mib", type=float, default=64.0)
     p.add_argument("--tracked-bytes", type=int, default=None,
                    help="the repository's tracked bytes (default: measured with git ls-files)")
@@ -508,15 +513,7 @@ def pack_main(argv: list[str]) -> int:
             work = REPO / ".gpu" / "gguf"
             work.mkdir(parents=True, exist_ok=True)
             gguf = _download_gguf(SOURCES["smollm2-135m-instruct"], work)
-        wheels = sorted(args.wheels_dir.glob("gguf-*.whl"))
-        if not wheels:
-            args.wheels_dir.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                            "--only-binary=:all:", "--python-version", "3.12", "--implementation",
-                            "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
-                            "manylinux2014_x86_64", "-d", str(args.wheels_dir),
-                            f"gguf=={_version('gguf')}"], check=True)
-            wheels = sorted(args.wheels_dir.glob("gguf-*.whl"))
+        wheels = device_wheels(args.wheels_dir, args.wheel or MISSING_ON_DEVICE)
     if args.prompts_file:
         prompts = [json.loads(x) for x in args.prompts_file.read_text().splitlines() if x.strip()]
     else:
@@ -541,10 +538,36 @@ def pack_main(argv: list[str]) -> int:
     return 0 if manifest["sizes"]["fits"] else 2
 
 
-def _version(name: str) -> str:
+MISSING_ON_DEVICE = ("gguf", "grpcio", "grpcio-tools", "protobuf", "grpcio-health-checking",
+                     "grpcio-reflection", "opentelemetry-api", "opentelemetry-sdk",
+                     "opentelemetry-semantic-conventions", "dill")
+"""What the device check imports that the GPU machine's image lacks (docs/.library KINDS list:
+no gguf, grpcio tools / health / reflection or OpenTelemetry), with grpcio and protobuf at the
+versions grpcio-tools is built for; their other needs (typing-extensions, setuptools) are there."""
+
+
+def device_wheels(folder: Path, names) -> list[Path]:
+    """Each package at this venv's version as a python 3.12 manylinux wheel, downloaded once."""
     from importlib.metadata import version
 
-    return version(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in names:
+        pin = f"{name}=={version(name)}"
+        stem = f"{name.replace('-', '_')}-{version(name)}-"
+        found = [w for w in folder.glob("*.whl") if w.name.lower().startswith(stem.lower())]
+        if not found:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                            "--only-binary=:all:", "--python-version", "3.12", "--implementation",
+                            "cp", *[a for plat in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                                                   "manylinux2014_x86_64")
+                                    for a in ("--platform", plat)],
+                            "-d", str(folder), pin], check=True)
+            found = [w for w in folder.glob("*.whl") if w.name.lower().startswith(stem.lower())]
+        if not found:
+            raise SystemExit(f"pack: no python 3.12 wheel of {pin}")
+        out.append(found[0])
+    return out
 
 
 def device_run(which: str, argv: list[str]) -> int:
@@ -563,6 +586,11 @@ def device_run(which: str, argv: list[str]) -> int:
         total = args.budget_s or CPU_REHEARSAL_BUDGET_S
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     results: dict = {"environment": environment(device)}
+    earlier = stash_dir / "results" / "gpu.json"  # run 1's results, kept on the machine
+    if which == "run2" and earlier.is_file():
+        results.update({k: v for k, v in json.loads(earlier.read_text()).items()
+                        if k not in ("environment", "phases (seconds, budget)")})
+    outs = [args.out] + ([stash_dir / "results"] if which == "run1" else [])
     write(results, args.out)
     state: dict = {}
 
@@ -575,7 +603,7 @@ def device_run(which: str, argv: list[str]) -> int:
         return Models(args)
 
     if which == "stash":  # a part between the first and the last: only carried and checked
-        phases = [("payload part", 1.0, stash)]
+        phases = [(f"payload {args.payload.name}", 1.0, stash)]
     elif which == "run1":
         def repo_files(deadline):
             manifest = json.loads((stash_dir / "MANIFEST.json").read_text())
@@ -588,8 +616,21 @@ def device_run(which: str, argv: list[str]) -> int:
                 else REPO / manifest["drafter"]
             return smoke(models_from(stash_dir / "target", drafter), device, dtype, args)
 
-        phases = [("payload part", 0.3, stash), ("repository files", 0.1, repo_files),
-                  ("smoke (random target of the real shape)", 0.6, smoke_round)]
+        def packages(deadline):
+            out = gp.install_wheels(stash_dir)
+            import grpc
+            import google.protobuf
+            import opentelemetry.sdk  # noqa: F401
+            from services.drafter.main import build_servicer as _d  # noqa: F401
+            from services.verifier.main import build_servicer as _v  # noqa: F401
+
+            out.update(grpc=grpc.__version__, protobuf=google.protobuf.__version__,
+                       services="imported")
+            return out
+
+        phases = [(f"payload {args.payload.name}", 0.25, stash), ("repository files", 0.05, repo_files),
+                  ("packages", 0.15, packages),
+                  ("smoke (random target of the real shape)", 0.55, smoke_round)]
     else:
         def assemble(deadline):
             state.update(gp.assemble(stash_dir))
@@ -601,14 +642,19 @@ def device_run(which: str, argv: list[str]) -> int:
                 raise RuntimeError("the payload was not assembled")
             return state["models"]
 
-        phases = [("payload part", 0.05, stash), ("payload assembled", 0.2, assemble),
+        def stash_and_install(deadline):
+            out = gp.stash(args.payload, stash_dir)
+            out["packages"] = gp.install_wheels(stash_dir)["wheels"]
+            return out
+
+        phases = [(f"payload {args.payload.name}", 0.05, stash_and_install), ("payload assembled", 0.2, assemble),
                   ("(a) exactness", 0.18, lambda d: exactness(need_models(), device, args)),
                   ("(b) T=1 distribution", 0.1,
                    lambda d: distribution(need_models(), device, dtype, args)),
                   ("(c) tokens/s", 0.32, lambda d: speed(need_models(), device, dtype, args, d)),
                   ("(d) services in process", 0.15,
                    lambda d: services(need_models(), device, dtype, args))]
-    run_phases(results, phases, args.out, total)
+    run_phases(results, phases, outs, total)
     failed = [k for k, v in results.items()
               if isinstance(v, dict) and ("error" in v or v.get("ok") is False)]
     print(json.dumps(results, indent=2))

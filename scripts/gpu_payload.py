@@ -11,7 +11,9 @@ machine beside the repository, in parts that each fit one device call, and its r
             listed under "repo_files" and checked there instead);
   prompts.jsonl  the eval prompts ({"turns": [...], "dataset": name, "ids": chat-templated token
             ids}), `--per-set` of each set;
-  wheels/   the `gguf` wheel that transformers needs to read a GGUF (absent on the GPU machine);
+  wheels/   the wheels the GPU machine lacks (python 3.12, manylinux): `gguf` for transformers to
+            read a GGUF, and the service path's grpcio-tools, grpcio-health-checking,
+            grpcio-reflection and OpenTelemetry with the grpcio and protobuf they are built for;
   MANIFEST.json  in every part: sha256 and size of every file, the part each lies in, the joined
             files' digests, the float32 tensors' digests of the prepared target, and the sizes:
             the repository's tracked bytes, the device tool's limit and each part's bytes.
@@ -105,7 +107,7 @@ def eval_prompts(eval_dir: Path, per_set: int) -> list[dict]:
 
 # ------------------------------------------------------------------------------------- pack
 def pack(out: Path, target_dir: Path, drafter_dir: Path, prompts: list[dict],
-         gguf: Path | None = None, wheels: list[Path] = (), chunk_bytes: int = 4 * MIB,
+         gguf: Path | None = None, wheels: list[Path] = (), chunk_bytes: int = 1 * MIB,
          limit_bytes: int = DEVICE_LIMIT_BYTES, tracked: int | None = None) -> dict:
     """Write the parts under `out` and return the manifest (also in every part).
 
@@ -163,8 +165,8 @@ def _pack(out, staging, target_dir, drafter_dir, prompts, gguf, wheels, chunk_by
             chunks.append(f"{rel}.part{i:03d}")
             pieces.append((chunks[-1], src, offset, min(chunk_bytes, size - offset)))
         joined[rel] = {"sha256": sha256(src), "bytes": size, "chunks": chunks}
-    chunk_names = {c for spec in joined.values() for c in spec["chunks"]}
-    pieces.sort(key=lambda p: (p[0] in chunk_names, p[0]))
+    weight_chunks = set(joined.get(f"target/{weights.name}", {}).get("chunks", []))
+    pieces.sort(key=lambda p: (p[0] in weight_chunks, p[0]))
 
     parts: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
@@ -263,6 +265,24 @@ def join_complete(stash_dir: Path, manifest: dict) -> tuple[list[str], list[str]
     return joined, bad
 
 
+def install_wheels(stash_dir: Path = DEFAULT_STASH) -> dict:
+    """The carried wheels installed (once) into stash/site, first on sys.path."""
+    wheels = sorted((stash_dir / "wheels").glob("*.whl"))
+    site = stash_dir / "site"
+    marker = site / ".installed"
+    names = [w.name for w in wheels]
+    if wheels and (not marker.is_file() or marker.read_text().split() != names):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
+                        *map(str, wheels)], check=True)
+        marker.write_text("\n".join(names))
+    if wheels and str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return {"wheels": names, "site": str(site)}
+
+
 def verify_repo_files(manifest: dict, repo: Path = REPO) -> list[str]:
     """The repository's files the payload relies on (the tracked drafter) whose digest differs."""
     return [rel for rel, digest in manifest["repo_files"].items()
@@ -303,19 +323,11 @@ def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True) -> dict:
 
 
 def convert_gguf(gguf: Path, stash_dir: Path, manifest: dict) -> Path:
-    """`dspark fetch-model`'s conversion into stash/model; the carried `gguf` wheel installed to
-    stash/site when transformers cannot import gguf."""
+    """`dspark fetch-model`'s conversion into stash/model (the carried `gguf` wheel installed)."""
     folder = stash_dir / "model"
     if (folder / "model.safetensors").is_file():
         return folder
-    try:
-        import gguf as _  # noqa: F401
-    except ImportError:
-        wheels = sorted(str(stash_dir / r) for r in manifest["files"] if r.endswith(".whl"))
-        site = stash_dir / "site"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--no-compile", "--target", str(site), *wheels], check=True)
-        sys.path.insert(0, str(site))
+    install_wheels(stash_dir)
     from dspark.fetch import _convert
 
     tmp = stash_dir / "model.tmp"

@@ -71,11 +71,16 @@ def environment(device: str) -> dict:
         from dspark.cpu_info import cpu_line
 
         env["device_name"] = cpu_line()
-    for name in ("transformers", "triton", "grpc"):
+    from importlib.metadata import PackageNotFoundError, version
+
+    # Read from the installed metadata, not by importing: grpc imported here would be the
+    # machine's own, before the carried wheels are first on sys.path.
+    for key, dist in (("transformers", "transformers"), ("triton", "triton"), ("grpc", "grpcio"),
+                      ("protobuf", "protobuf")):
         try:
-            env[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 (absent or without a version: say so)
-            env[name] = None
+            env[key] = version(dist)
+        except PackageNotFoundError:
+            env[key] = None
     return env
 
 
@@ -655,6 +660,9 @@ def device_run(which: str, argv: list[str]) -> int:
                   ("(d) services in process", 0.15,
                    lambda d: services(need_models(), device, dtype, args))]
     run_phases(results, phases, outs, total)
+    results["environment"] = environment(device)  # with the carried wheels' versions
+    for folder in outs:
+        write(results, folder)
     failed = [k for k, v in results.items()
               if isinstance(v, dict) and ("error" in v or v.get("ok") is False)]
     print(json.dumps(results, indent=2))

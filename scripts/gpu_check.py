@@ -1,4 +1,4 @@
-"""The prepared device check (issue 53, item 5): DSpark on one GPU, measured in at most two runs.
+"""The prepared device check (issue 53, item 5): DSpark on one GPU, measured in two runs.
 
 Run 1 (`--run 1`): the environment (device, torch, CUDA, transformers, triton), the payload's
 digests against its manifest (`--manifest`, sha256 per file), and a smoke round: the engine on a
@@ -633,7 +633,8 @@ def device_run(which: str, argv: list[str]) -> int:
                        services="imported")
             return out
 
-        phases = [(f"payload {args.payload.name}", 0.25, stash), ("repository files", 0.05, repo_files),
+        phases = [(f"payload {args.payload.name}", 0.25, stash),
+                  ("repository files", 0.05, repo_files),
                   ("packages", 0.15, packages),
                   ("smoke (random target of the real shape)", 0.55, smoke_round)]
     else:
@@ -652,7 +653,8 @@ def device_run(which: str, argv: list[str]) -> int:
             out["packages"] = gp.install_wheels(stash_dir)["wheels"]
             return out
 
-        phases = [(f"payload {args.payload.name}", 0.05, stash_and_install), ("payload assembled", 0.2, assemble),
+        phases = [(f"payload {args.payload.name}", 0.05, stash_and_install),
+                  ("payload assembled", 0.2, assemble),
                   ("(a) exactness", 0.18, lambda d: exactness(need_models(), device, args)),
                   ("(b) T=1 distribution", 0.1,
                    lambda d: distribution(need_models(), device, dtype, args)),

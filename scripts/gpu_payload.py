@@ -224,7 +224,8 @@ def stash(part_dir: Path, stash_dir: Path = DEFAULT_STASH) -> dict:
     manifest = json.loads((part_dir / "MANIFEST.json").read_text())
     part = part_dir.name
     if part not in manifest["parts"]:
-        raise PayloadError(f"{part_dir} is not a part of its manifest ({', '.join(manifest['parts'])})")
+        raise PayloadError(f"{part_dir} is not a part of its manifest "
+                           f"({', '.join(manifest['parts'])})")
     bad = [rel for rel in manifest["parts"][part]
            if not (part_dir / rel).is_file() or sha256(part_dir / rel) != manifest["files"][rel]]
     if bad:
@@ -316,7 +317,8 @@ def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True) -> dict:
         differ = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
         out["tensors"] = f"{len(want) - len(differ)}/{len(want)} identical to the prepared target"
         out["tensors_differ"] = differ[:20]
-    drafter = stash_dir / "drafter" if manifest["drafter"] == "drafter" else REPO / manifest["drafter"]
+    drafter = stash_dir / "drafter" if manifest["drafter"] == "drafter" \
+        else REPO / manifest["drafter"]
     out.update(target_dir=str(target), drafter_dir=str(drafter),
                prompts_file=str(stash_dir / "prompts.jsonl"))
     return out

@@ -1,4 +1,4 @@
-"""The prepared device check (issue 53, item 5): DSpark on one GPU, measured in at most two runs.
+"""The prepared device check (issue 53, item 5): DSpark on one GPU, measured in two runs.
 
 Run 1 (`--run 1`): the environment (device, torch, CUDA, transformers, triton), the payload's
 digests against its manifest (`--manifest`, sha256 per file), and a smoke round: the engine on a
@@ -17,19 +17,20 @@ Run 2 (`--run 2`):
 Every figure is written with the device name and the torch and CUDA versions beside it:
 `--out`/gpu.json and `--out`/gpu.md (docs/results/ when committed).
 
+The payload (scripts/gpu_payload.py): `pack` here writes .gpu/check/part1..N, each a folder one
+device call carries; on the machine `run1 --payload .gpu/check/part1` checks and stashes its part
+(outside the repository, /tmp/dspark-payload) and runs the smoke round, `stash --payload partK`
+carries a middle part, and `run2 --payload partN` stashes the last part, assembles the target
+(digests, chunks joined, the GGUF converted, tensors compared) and runs (a) to (d). docs/gpu.md,
+"Prepared device check", has the calls; tests/test_gpu_payload.py rehearses them on the CPU.
+
 Rehearsal on a CPU (`--device cpu --tiny`): the tiny random target and drafter of the tests
 (loadtest.tiny_models) stand in for SmolLM2 and the shipped drafter; every step runs, only
 smaller. tests/test_gpu_check.py runs it.
 
-On the GPU machine (no internet; torch 2.11 + CUDA 13, transformers 5.17, triton 3.6, grpcio):
-
-    python3 scripts/gpu_check.py --run 1 --device cuda --model-dir M --drafter-dir D \\
-        --manifest MANIFEST.json --out $OUT
-    python3 scripts/gpu_check.py --run 2 --device cuda --model-dir M --drafter-dir D \\
-        --prompts-file P.jsonl --out $OUT
-
-Each run is sized to end within 8 minutes on one H100 (`--budget-s`, default 420: the speed
-grid stops early and says so when it runs out).
+Every phase runs under a share of the run's budget (`--budget-s`: 150 s for run1 and 400 s for
+run2 on CUDA, inside device calls of 240 and 480 s) and the results are written after each phase,
+so a run stopped from outside still returns what it measured.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import hashlib
 import json
 import math
 import platform
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +50,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 import torch  # noqa: E402
 
@@ -67,11 +71,16 @@ def environment(device: str) -> dict:
         from dspark.cpu_info import cpu_line
 
         env["device_name"] = cpu_line()
-    for name in ("transformers", "triton", "grpc"):
+    from importlib.metadata import PackageNotFoundError, version
+
+    # Read from the installed metadata, not by importing: grpc imported here would be the
+    # machine's own, before the carried wheels are first on sys.path.
+    for key, dist in (("transformers", "transformers"), ("triton", "triton"), ("grpc", "grpcio"),
+                      ("protobuf", "protobuf")):
         try:
-            env[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 (absent or without a version: say so)
-            env[name] = None
+            env[key] = version(dist)
+        except PackageNotFoundError:
+            env[key] = None
     return env
 
 
@@ -108,20 +117,30 @@ class Models:
 
 
 def read_prompts(path: Path, model_dir: Path) -> list[list[int]]:
-    """Chat-templated prompt ids from a JSONL file of {"prompt": text} (or {"turns": [...]})."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    """Chat-templated prompt ids from a JSONL file of {"prompt": text} (or {"turns": [...]}, or
+    their "ids" as `pack` writes them)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    tokenizer = None
     out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            text = record.get("prompt") or record.get("turns", [""])[0]
-            out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                     tokenize=True, add_generation_prompt=True))
+    for record in records:
+        if "ids" in record:
+            out.append(record["ids"])
+        else:
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            out.append(chat_ids(tokenizer, record))
     while len(out) < 64:
         out += out
     return out
+
+
+def chat_ids(tokenizer, record: dict) -> list[int]:
+    text = record.get("prompt") or record.get("turns", [""])[0]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                        add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def build(models: Models, device: str, dtype: str, policy: str, max_running: int,
@@ -385,7 +404,50 @@ def write(results: dict, out: Path) -> None:
     (out / "gpu.md").write_text("\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> int:
+RUN1_BUDGET_S = 150.0
+RUN2_BUDGET_S = 400.0
+CPU_REHEARSAL_BUDGET_S = 1800.0
+"""The runs' budgets: run 1 inside a 4-minute call, run 2 inside an 8-minute one (the device
+tool's timeout_s, 240 and 480), which leaves a 15-minute loan room for the machine's start."""
+
+
+class PhaseBudgetSpent(Exception):
+    """A phase ran past its share of the run's time budget."""
+
+
+@contextlib.contextmanager
+def budget(seconds: float):
+    """Interrupt the phase after `seconds` (SIGALRM: between the device's operations)."""
+    def expire(signum, frame):
+        raise PhaseBudgetSpent(f"its budget of {seconds:.0f} s was spent")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_phases(results: dict, phases: list, out: Path | list[Path], total_s: float) -> None:
+    """Each (name, share of `total_s`, step) in turn under its budget; the results written after
+    every phase, so that a run stopped from outside still leaves what it measured in `out`."""
+    timings = results.setdefault("phases (seconds, budget)", {})
+    for name, share, step in phases:
+        start = time.monotonic()
+        try:
+            with budget(share * total_s):
+                results[name] = step(start + 0.8 * share * total_s)
+        except Exception as e:  # noqa: BLE001 (one failed step must not lose the others)
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        timings[name] = f"{time.monotonic() - start:.0f} / {share * total_s:.0f}"
+        print(f"{name}: {timings[name]} s", file=sys.stderr, flush=True)
+        for folder in out if isinstance(out, list) else [out]:
+            write(results, folder)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", choices=["1", "2", "all"], default="all")
     add_device_argument(p)
@@ -402,8 +464,220 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=2000, help="seeds of the T=1 check")
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--users", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
-    p.add_argument("--budget-s", type=float, default=420.0)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="the run's time budget, shared among its phases (default on CUDA: "
+                        f"{RUN1_BUDGET_S:.0f} s for run1, {RUN2_BUDGET_S:.0f} s for run2 and "
+                        f"--run; {CPU_REHEARSAL_BUDGET_S:.0f} s on a CPU)")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results")
+    p.add_argument("--payload", type=Path, default=None,
+                   help="run1/run2: this call's part of the payload (`pack`'s .gpu/check/partN)")
+    p.add_argument("--stash", type=Path, default=None,
+                   help="run1/run2: where the parts gather on the machine (/tmp/dspark-payload)")
+    return p
+
+
+def pack_main(argv: list[str]) -> int:
+    """`gpu_check.py pack`: the payload's parts for the device calls (scripts/gpu_payload.py)."""
+    import gpu_payload as gp
+
+    from dspark.fetch import default_model_dir
+    from dspark.paths import EVAL_PROMPTS_DIR
+
+    p = argparse.ArgumentParser(prog="gpu_check.py pack", description=gp.__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=REPO / ".gpu" / "check")
+    p.add_argument("--target-dir", type=Path, default=None,
+                   help="the prepared target (`dspark fetch-model`'s folder)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the target's GGUF (default: the .gguf in --target-dir, else the one "
+                        "`dspark fetch-model` downloads)")
+    p.add_argument("--safetensors", action="store_true",
+                   help="carry --target-dir's model.safetensors instead of a GGUF")
+    p.add_argument("--drafter-dir", type=Path, default=REPO / "checkpoints" / "dspark-markov")
+    p.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="JSONL of {'turns': [...]} instead of --eval-dir's sets")
+    p.add_argument("--per-set", type=int, default=16, help="prompts of each eval set")
+    p.add_argument("--wheels-dir", type=Path, default=REPO / ".gpu" / "wheels",
+                   help="where the wheels for python 3.12 are downloaded (once)")
+    p.add_argument("--wheel", action="append", default=None,
+                   help="a package the GPU machine lacks, at this venv's version (default: "
+                        f"{', '.join(MISSING_ON_DEVICE)})")
+    p.add_argument("--chunk-mib", type=float, default=1.0)
+    p.add_argument("--limit-mib", type=float, default=64.0)
+    p.add_argument("--tracked-bytes", type=int, default=None,
+                   help="the repository's tracked bytes (default: measured with git ls-files)")
+    args = p.parse_args(argv)
+    target = args.target_dir or default_model_dir("smollm2-135m-instruct")
+    gguf = None
+    wheels: list[Path] = []
+    if not args.safetensors:
+        gguf = args.gguf or next(iter(sorted(target.glob("*.gguf"))), None)
+        if gguf is None:
+            from dspark.fetch import SOURCES, _download_gguf
+
+            work = REPO / ".gpu" / "gguf"
+            work.mkdir(parents=True, exist_ok=True)
+            gguf = _download_gguf(SOURCES["smollm2-135m-instruct"], work)
+        wheels = device_wheels(args.wheels_dir, args.wheel or MISSING_ON_DEVICE)
+    if args.prompts_file:
+        prompts = [json.loads(x) for x in args.prompts_file.read_text().splitlines() if x.strip()]
+    else:
+        prompts = gp.eval_prompts(args.eval_dir, args.per_set)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = [{**r, "ids": r.get("ids") or chat_ids(tokenizer, r)} for r in prompts]
+    tracked = gp.tracked_bytes() if args.tracked_bytes is None else args.tracked_bytes
+    limit = int(args.limit_mib * gp.MIB)
+    weights = gguf or target / "model.safetensors"
+    print(f"limit {limit:,} bytes; repository's tracked files {tracked:,} bytes; "
+          f"the target's weights {weights.name} {weights.stat().st_size:,} bytes", file=sys.stderr)
+    try:
+        manifest = gp.pack(args.out, target, args.drafter_dir, prompts, gguf=gguf, wheels=wheels,
+                           chunk_bytes=int(args.chunk_mib * gp.MIB), limit_bytes=limit,
+                           tracked=tracked)
+    except gp.PayloadError as e:
+        print(f"pack: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(manifest["sizes"], indent=1))
+    return 0 if manifest["sizes"]["fits"] else 2
+
+
+MISSING_ON_DEVICE = ("gguf", "grpcio", "grpcio-tools", "protobuf", "grpcio-health-checking",
+                     "grpcio-reflection", "opentelemetry-api", "opentelemetry-sdk",
+                     "opentelemetry-semantic-conventions", "dill")
+"""What the device check imports that the GPU machine's image lacks (docs/.library KINDS list:
+no gguf, grpcio tools / health / reflection or OpenTelemetry), with grpcio and protobuf at the
+versions grpcio-tools is built for; their other needs (typing-extensions, setuptools) are there."""
+
+
+def device_wheels(folder: Path, names) -> list[Path]:
+    """Each package at this venv's version as a python 3.12 manylinux wheel, downloaded once."""
+    from importlib.metadata import version
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in names:
+        pin = f"{name}=={version(name)}"
+        stem = f"{name.replace('-', '_')}-{version(name)}-"
+        found = [w for w in folder.glob("*.whl") if w.name.lower().startswith(stem.lower())]
+        if not found:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                            "--only-binary=:all:", "--python-version", "3.12", "--implementation",
+                            "cp", *[a for plat in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                                                   "manylinux2014_x86_64")
+                                    for a in ("--platform", plat)],
+                            "-d", str(folder), pin], check=True)
+            found = [w for w in folder.glob("*.whl") if w.name.lower().startswith(stem.lower())]
+        if not found:
+            raise SystemExit(f"pack: no python 3.12 wheel of {pin}")
+        out.append(found[0])
+    return out
+
+
+def device_run(which: str, argv: list[str]) -> int:
+    """`run1` / `stash` / `run2 --payload PART`: this call's part stashed and checked; run 1 then
+    a smoke round on a random target of the real shape, run 2 the target assembled and the
+    checks (`stash` alone for the parts between)."""
+    import gpu_payload as gp
+
+    args = parser().parse_args(argv)
+    if args.payload is None:
+        raise SystemExit(f"{which}: --payload .gpu/check/partN")
+    stash_dir = args.stash or gp.DEFAULT_STASH
+    device = resolve_device(args.device)
+    total = args.budget_s or (RUN1_BUDGET_S if which == "run1" else RUN2_BUDGET_S)
+    if not device.startswith("cuda"):
+        total = args.budget_s or CPU_REHEARSAL_BUDGET_S
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    results: dict = {"environment": environment(device)}
+    earlier = stash_dir / "results" / "gpu.json"  # run 1's results, kept on the machine
+    if which == "run2" and earlier.is_file():
+        results.update({k: v for k, v in json.loads(earlier.read_text()).items()
+                        if k not in ("environment", "phases (seconds, budget)")})
+    outs = [args.out] + ([stash_dir / "results"] if which == "run1" else [])
+    write(results, args.out)
+    state: dict = {}
+
+    def stash(deadline):
+        return gp.stash(args.payload, stash_dir)
+
+    def models_from(target: Path, drafter: Path):
+        args.model_dir, args.drafter_dir = str(target), str(drafter)
+        args.prompts_file, args.tiny = str(stash_dir / "prompts.jsonl"), False
+        return Models(args)
+
+    if which == "stash":  # a part between the first and the last: only carried and checked
+        phases = [(f"payload {args.payload.name}", 1.0, stash)]
+    elif which == "run1":
+        def repo_files(deadline):
+            manifest = json.loads((stash_dir / "MANIFEST.json").read_text())
+            bad = gp.verify_repo_files(manifest)
+            return {"files": len(manifest["repo_files"]), "mismatched": bad, "ok": not bad}
+
+        def smoke_round(deadline):
+            manifest = json.loads((stash_dir / "MANIFEST.json").read_text())
+            drafter = stash_dir / "drafter" if manifest["drafter"] == "drafter" \
+                else REPO / manifest["drafter"]
+            return smoke(models_from(stash_dir / "target", drafter), device, dtype, args)
+
+        def packages(deadline):
+            out = gp.install_wheels(stash_dir)
+            import grpc
+            import google.protobuf
+            import opentelemetry.sdk  # noqa: F401
+            from services.drafter.main import build_servicer as _d  # noqa: F401
+            from services.verifier.main import build_servicer as _v  # noqa: F401
+
+            out.update(grpc=grpc.__version__, protobuf=google.protobuf.__version__,
+                       services="imported")
+            return out
+
+        phases = [(f"payload {args.payload.name}", 0.25, stash),
+                  ("repository files", 0.05, repo_files),
+                  ("packages", 0.15, packages),
+                  ("smoke (random target of the real shape)", 0.55, smoke_round)]
+    else:
+        def assemble(deadline):
+            state.update(gp.assemble(stash_dir))
+            state["models"] = models_from(Path(state["target_dir"]), Path(state["drafter_dir"]))
+            return {k: v for k, v in state.items() if k != "models"}
+
+        def need_models():
+            if "models" not in state:
+                raise RuntimeError("the payload was not assembled")
+            return state["models"]
+
+        def stash_and_install(deadline):
+            out = gp.stash(args.payload, stash_dir)
+            out["packages"] = gp.install_wheels(stash_dir)["wheels"]
+            return out
+
+        phases = [(f"payload {args.payload.name}", 0.05, stash_and_install),
+                  ("payload assembled", 0.2, assemble),
+                  ("(a) exactness", 0.18, lambda d: exactness(need_models(), device, args)),
+                  ("(b) T=1 distribution", 0.1,
+                   lambda d: distribution(need_models(), device, dtype, args)),
+                  ("(c) tokens/s", 0.32, lambda d: speed(need_models(), device, dtype, args, d)),
+                  ("(d) services in process", 0.15,
+                   lambda d: services(need_models(), device, dtype, args))]
+    run_phases(results, phases, outs, total)
+    results["environment"] = environment(device)  # with the carried wheels' versions
+    for folder in outs:
+        write(results, folder)
+    failed = [k for k, v in results.items()
+              if isinstance(v, dict) and ("error" in v or v.get("ok") is False)]
+    print(json.dumps(results, indent=2))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "pack":
+        return pack_main(argv[1:])
+    if argv and argv[0] in ("run1", "stash", "run2"):
+        return device_run(argv[0], argv[1:])
+    p = parser()
     args = p.parse_args(argv)
     if not args.tiny and not (args.model_dir and args.drafter_dir):
         p.error("--model-dir and --drafter-dir (or --tiny)")
@@ -411,28 +685,24 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--prompts-file for run 2")
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    deadline = time.monotonic() + args.budget_s
+    total = args.budget_s or (RUN2_BUDGET_S if device.startswith("cuda")
+                              else CPU_REHEARSAL_BUDGET_S)
     models = Models(args)
     results: dict = {"environment": environment(device)}
+    phases = []
     if args.run in ("1", "all"):
         if args.manifest is not None:
-            results["digests"] = check_manifest(args.manifest)
-        results["smoke (random target of the real shape)"] = smoke(models, device, dtype, args)
-        write(results, args.out)
+            phases.append(("digests", 0.1, lambda d: check_manifest(args.manifest)))
+        phases.append(("smoke (random target of the real shape)", 0.2,
+                       lambda d: smoke(models, device, dtype, args)))
     if args.run in ("2", "all"):
-        for name, step in (("(a) exactness", lambda: exactness(models, device, args)),
-                           ("(b) T=1 distribution", lambda: distribution(models, device, dtype,
+        phases += [("(a) exactness", 0.2, lambda d: exactness(models, device, args)),
+                   ("(b) T=1 distribution", 0.1, lambda d: distribution(models, device, dtype,
                                                                          args)),
-                           ("(c) tokens/s", lambda: speed(models, device, dtype, args, deadline)),
-                           ("(d) services in process", lambda: services(models, device, dtype,
-                                                                        args))):
-            start = time.monotonic()
-            try:
-                results[name] = step()
-            except Exception as e:  # noqa: BLE001 (one failed step must not lose the others)
-                results[name] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"{name}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-            write(results, args.out)
+                   ("(c) tokens/s", 0.3, lambda d: speed(models, device, dtype, args, d)),
+                   ("(d) services in process", 0.15, lambda d: services(models, device, dtype,
+                                                                        args))]
+    run_phases(results, phases, args.out, total)
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     print(json.dumps(results, indent=2))
     return 1 if failed else 0

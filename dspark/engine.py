@@ -41,6 +41,7 @@ from dspark.held_features import HeldFeatures
 from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.models.kv_cache import KVCacheFull
+from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
 
@@ -173,7 +174,7 @@ class Request:
     sampling: SamplingParams
     max_tokens: int
     stop_token_ids: frozenset[int]
-    generator: torch.Generator | None
+    generator: CounterGenerator
     output_ids: list[int] = field(default_factory=list)
     prefilled: int = 0
     """Prompt tokens the target has read so far (chunked prefill)."""

@@ -4,7 +4,7 @@
 parameter or drafter-side truncation: k) draw from the renormalised top-k of their logits, dense
 rows from the full draft vocabulary (returned sparse over it when it is reduced: its V_d target
 ids are the support). `sample_block_position` then draws position k for all of
-them from the uniforms `draw_uniforms` took from each request's own generator, and
+them from the uniforms `draw_uniforms` keys by each request's seed and anchor, and
 `assemble_blocks` turns the positions into one `DraftBlock` per request.
 
 Each token x_k is drawn from exactly the distribution returned for it (the draft distribution
@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from dspark.models.draft_types import DraftBlock, DraftRequest
+from dspark.random_draws import CounterGenerator, Purpose, keyed_uniforms, seed_tensor
 from dspark.sampling import SamplingTensors, argmax_first, probs_from_logits, sample_from_probs
 
 
@@ -137,10 +138,16 @@ def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.T
 
 
 def draw_uniforms(requests: Sequence[DraftRequest], count: int, device: torch.device) -> torch.Tensor:
-    """[R, count] uniforms, each request's from its own generator (or the global stream)."""
-    rows = [torch.rand(count, generator=req.generator) if req.generator is not None
-            else torch.rand(count) for req in requests]
-    return torch.stack(rows).to(device) if rows else torch.empty(0, count, device=device)
+    """[R, count] uniforms: request r's DRAFT (anchor position, k) for k = 1..count under its
+    generator's seed (dspark.random_draws), the same whatever else is drafted with it."""
+    R = len(requests)
+    seeds = seed_tensor([CounterGenerator.resolve(r.generator, r.sampling.seed) for r in requests],
+                        device)  # [R]
+    anchors = torch.tensor([r.anchor_position for r in requests], dtype=torch.int64, device=device)
+    k = torch.arange(1, count + 1, dtype=torch.int64, device=device)  # [count]
+    u = keyed_uniforms(seeds.repeat_interleave(count), anchors.repeat_interleave(count),
+                       k.repeat(R), Purpose.DRAFT)
+    return u.reshape(R, count)
 
 
 def assemble_blocks(plan: RowPlan, samples: Sequence[PositionSample], confidences: torch.Tensor,

@@ -37,12 +37,14 @@ import torch
 from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
+from dspark.gumbel_verification import request_generator
 from dspark.held_features import HeldFeatures
 from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftRequest, Drafter
 from dspark.models.kv_cache import KVCacheFull
 from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
+from dspark.seeded_admission import gate_bypassed, override_seeded
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
 
 
@@ -293,9 +295,9 @@ class Engine:
         if logprobs is not None:
             check_num_top(logprobs)
         rid = next(self._ids) if request_id is None else request_id
+        generator = request_generator(sampling, getattr(self.verifier, "rule", None))
         self.waiting.append(Request(rid, list(prompt_ids), sampling, max_tokens,
-                                    frozenset(stop_token_ids), sampling.generator(),
-                                    logprobs=logprobs))
+                                    frozenset(stop_token_ids), generator, logprobs=logprobs))
         return rid
 
     def abort(self, request_id: Hashable) -> None:
@@ -504,6 +506,8 @@ class Engine:
         self.drafting_gate.reset_if_load_fell(self._load())
         if not self.speculative:
             return RoundPlan(RoundMode.TARGET_ONLY)
+        if gate_bypassed(self.admitter.config.policy.kind, [r.generator.seeded for r in running]):
+            return RoundPlan(RoundMode.DRAFT)  # a seeded request's rounds ignore timing
         plan = self.drafting_gate.plan_round(
             [r.request_id for r in running], self.admitter.capacity_known_zero(),
             self.admitter.planned_gain(), reads_prompt)
@@ -527,7 +531,10 @@ class Engine:
         drafted = running if sample is None else [running[i] for i in sample]
         start = time.perf_counter()
         self._held.take([r.request_id for r in drafted], self.verifier, self.drafter)
-        num_positions = self.admitter.positions_to_draft(gamma)
+        seeded = [r.generator.seeded for r in running]
+        policy = self.admitter.config.policy.kind
+        num_positions = (gamma if gate_bypassed(policy, seeded)
+                         else self.admitter.positions_to_draft(gamma))
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
                           r.generator) for r in drafted],
@@ -540,6 +547,7 @@ class Engine:
             caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
                              for r in running])
             lengths = self.admitter.admit(confidences, max_lengths=caps, block_size=gamma)
+            lengths = override_seeded(policy, lengths, confidences, caps, seeded)
             record = RoundRecord([r.request_id for r in running], confidences,
                                  [int(n) for n in lengths], None)
         else:  # a sampled probe: K is 0, nothing is verified, the blocks only inform K

@@ -28,10 +28,21 @@ by the same Gumbel-max, so that the identity holds (`sample_first_tokens`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from dspark.random_draws import gumbel_noise
-from dspark.sampling import SamplingTensors, argmax_first, probs_from_logits
+from dspark.random_draws import CounterGenerator, gumbel_noise
+from dspark.sampling import SamplingParams, SamplingTensors, argmax_first, probs_from_logits
+
+
+def request_generator(sampling: SamplingParams, rule) -> CounterGenerator:
+    """A request's generator (dspark.random_draws) under the verifier's rule: under the
+    drafter-invariant rule its drafts are Gumbel-max samples with the target's noise."""
+    generator = sampling.generator()
+    if getattr(rule, "value", rule) == "drafter-invariant":
+        generator = dataclasses.replace(generator, shared_noise=True)
+    return generator
 
 
 def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,

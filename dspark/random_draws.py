@@ -72,6 +72,10 @@ class CounterGenerator:
     seeded: bool = True
     """The request asked for this seed (False: drawn at admission by `fresh_seed`). Seeded
     requests are the ones whose rounds must repeat (dspark.seeded_admission)."""
+    shared_noise: bool = False
+    """Draft by Gumbel-max with the position-keyed noise the target samples with (GUMBEL), as
+    the drafter-invariant rule needs (dspark.gumbel_verification); else inverse-CDF sampling
+    with the DRAFT uniforms."""
 
     @staticmethod
     def for_seed(seed: int | None) -> "CounterGenerator":

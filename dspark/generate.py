@@ -46,7 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-table", type=Path, default=None,
                         help="SPS(B) table JSON (default: measured at start-up, cached in DSPARK_HOME)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--verification", default="token", choices=["token", "block"],
+    parser.add_argument("--verification", default="token",
+                        choices=["token", "block", "drafter-invariant"],
                         help="how sampled drafts are accepted: token by token, or the whole block "
                              "at once (both exact; greedy is the same under both)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

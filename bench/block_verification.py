@@ -33,6 +33,7 @@ from dspark.fetch import ensure_model
 from dspark.loading import load_method_drafter, load_target
 from dspark.models.drafter_config import DrafterConfig
 from dspark.paths import DEFAULT_DRAFTER, EVAL_PROMPTS_DIR
+from dspark.random_draws import CounterGenerator
 from dspark.rejection import (VerificationRule, VerifyBatch, dense_draft_rows, draw_uniforms,
                               verify)
 from dspark.sampling import SamplingTensors, probs_from_logits
@@ -71,7 +72,8 @@ def verify_ms(batches: list[VerifyBatch], rule: VerificationRule, repeats: int) 
     times = []
     for _ in range(repeats):
         for batch in batches:
-            draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(0))
+            draws = draw_uniforms(batch.draft_lens, CounterGenerator(0),
+                                  torch.arange(batch.num_requests))
             start = time.perf_counter()
             verify(batch, draws, rule)
             times.append(time.perf_counter() - start)

@@ -25,6 +25,7 @@ import torch
 from dspark.admission import AdmissionConfig, Admitter, survival_probs
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.cpu_info import cpu_line
+from dspark.random_draws import CounterGenerator
 from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify, verify_reference
 from dspark.sampling import SamplingParams
 
@@ -143,7 +144,8 @@ def bench_verify(num_requests: int, gamma: int, vocab_size: int, sparse_k: int, 
     for mode, params in modes.items():
         sparse_batch = make_verify_batch(num_requests, gamma, vocab_size, sparse_k, params, g)
         dense_batch = densify(sparse_batch)
-        draws = draw_uniforms(sparse_batch.draft_lens, g)
+        draws = draw_uniforms(sparse_batch.draft_lens, CounterGenerator(0),
+                              torch.arange(num_requests))
         for probs_kind, batch in (("dense", dense_batch), (f"sparse top-{sparse_k}", sparse_batch)):
             ms = median_ms(lambda i: verify(batch, draws), repeats, warmup=1)
             result = verify(batch, draws)

@@ -70,7 +70,8 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--verification", default="token", choices=["token", "block"],
+    parser.add_argument("--verification", default="token",
+                        choices=["token", "block", "drafter-invariant"],
                         help="how sampled drafts are accepted (dspark eval --verification)")
     parser.add_argument("--plots", type=Path, default=None)
     parser.add_argument("--model-dir", type=Path, default=None,

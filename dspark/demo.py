@@ -12,6 +12,7 @@ import argparse
 
 import torch
 
+from dspark.random_draws import CounterGenerator
 from dspark.rejection import VerifyBatch, draw_uniforms, verify
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
 
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     # A toy target whose distribution does not depend on the drafts: every position shares a row.
     batch = VerifyBatch(drafts.reshape(-1), torch.full((n,), gamma),
                         draft_probs.repeat(n, 1), target_logits.repeat(n, 1), [params] * n)
-    result = verify(batch, draw_uniforms(batch.draft_lens, g))
+    result = verify(batch, draw_uniforms(batch.draft_lens, CounterGenerator(args.seed),
+                                         torch.arange(n)))
     first = torch.where(result.num_accepted > 0, drafts[:, 0], result.next_tokens)
     empirical = torch.bincount(first, minlength=vocab).double() / n
     exact = probs_from_logits(target_logits[:1], SamplingTensors.from_params([params]))[0]

@@ -39,6 +39,7 @@ from dspark.admission import AdmissionConfig, Admitter
 from dspark.batching import Batcher, BatchingConfig
 from dspark.cost_table import CostTable
 from dspark.drafting_gate import DraftingGateConfig, RoundMode, RoundPlan
+from dspark.gumbel_verification import request_generator
 from dspark.held_features import HeldFeatures
 from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftRequest, Drafter
@@ -46,6 +47,7 @@ from dspark.models.kv_cache import KVCacheFull
 from dspark.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics: re-exported)
 from dspark.round_policy import make_round_policy
 from dspark.sampling import SamplingParams
+from dspark.seeded_admission import gate_bypassed, override_seeded
 from dspark.step_result import (EngineStats, RoundRecord, RoundStats, StepOutput,  # noqa: F401
                                 StepResult)
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
@@ -156,9 +158,9 @@ class Engine:
         if logprobs is not None:
             check_num_top(logprobs)
         rid = next(self._ids) if request_id is None else request_id
+        generator = request_generator(sampling, getattr(self.verifier, "rule", None))
         self.batcher.add(Request(rid, list(prompt_ids), sampling, max_tokens,
-                                 frozenset(stop_token_ids), sampling.generator(),
-                                 logprobs=logprobs))
+                                 frozenset(stop_token_ids), generator, logprobs=logprobs))
         return rid
 
     def abort(self, request_id: Hashable) -> None:
@@ -340,6 +342,9 @@ class Engine:
     def _plan_round(self, running: list[Request], gamma: int, reads_prompt: bool) -> RoundPlan:
         """What this round does before verification (the policy decides from old rounds, the
         load and which requests run); a round that drafts nothing records its K (0) here."""
+        if self.speculative and gate_bypassed(self.config.admission.policy.kind,
+                                              [r.generator.seeded for r in running]):
+            return RoundPlan(RoundMode.DRAFT)  # a seeded request's rounds ignore timing
         plan = self.policy.plan([r.request_id for r in running], gamma, reads_prompt,
                                 self.batcher.load)
         if plan.mode in (RoundMode.SKIP, RoundMode.PLAIN_CHECK):
@@ -356,7 +361,10 @@ class Engine:
         drafted = running if sample is None else [running[i] for i in sample]
         start = time.perf_counter()
         self._held.take([r.request_id for r in drafted], self.verifier, self.drafter)
-        num_positions = self.policy.positions_to_draft(gamma)
+        seeded = [r.generator.seeded for r in running]
+        kind = self.config.admission.policy.kind
+        num_positions = (gamma if gate_bypassed(kind, seeded)
+                         else self.policy.positions_to_draft(gamma))
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
                           r.generator) for r in drafted],
@@ -368,6 +376,7 @@ class Engine:
                          for r in running])
         lengths = self.policy.admit(confidences, caps, gamma, len(running), sample)
         if sample is None:
+            lengths = override_seeded(kind, lengths, confidences, caps, seeded)
             blocks = drafted_blocks
             record = RoundRecord([r.request_id for r in running], confidences,
                                  [int(n) for n in lengths], None)

@@ -50,7 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, choices=["q4", "dense"],
                         help="q4: the model folder's GGUF blocks (float32 math); dense: --dtype tensors "
                              "(default: q4 where it applies)")
-    parser.add_argument("--verification", default="token", choices=["token", "block"],
+    parser.add_argument("--verification", default="token",
+                        choices=["token", "block", "drafter-invariant"],
                         help="how sampled drafts are accepted: token by token, or the whole block "
                              "at once (both exact; greedy is the same under both)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -24,7 +24,9 @@ Flattened batch layout (no padding): request r owns draft rows
 
 Randomness is explicit (`RandomDraws`): one uniform per draft for the accept test and one per
 request for the recovered/bonus sample, so the batched `verify` and the per-request
-`verify_reference` can be held equal on the same draws.
+`verify_reference` can be held equal on the same draws. `draw_uniforms` keys them by the
+request's seed and its anchor's position (dspark.random_draws), so they never depend on the
+batch or on earlier rounds.
 
 `VerificationRule.BLOCK` verifies the sampled requests' blocks as a whole instead
 (`dspark.block_verification`): the same draws, the same output distribution, at least as many
@@ -49,6 +51,7 @@ from dspark.block_verification import (
     residual_masses,
     weights_before,
 )
+from dspark.random_draws import CounterGenerator, Purpose, keyed_uniforms, seed_tensor
 from dspark.sampling import (
     SamplingParams,
     SamplingTensors,
@@ -95,6 +98,11 @@ class VerificationRule(str, Enum):
     """Token by token, stopping at the first rejection (DESIGN.md section 5)."""
     BLOCK = "block"
     """The accepted prefix of the whole block at once (dspark.block_verification)."""
+    DRAFTER_INVARIANT = "drafter-invariant"
+    """Gumbel-max with position-keyed noise shared by drafter and target, a draft accepted iff it
+    equals the target's sample (dspark.gumbel_verification): a seeded request's output equals
+    target-only decoding with the same seed, whatever the drafter and policy. Opt-in: it
+    accepts fewer drafts than the token rule."""
 
 
 @dataclass
@@ -144,11 +152,14 @@ class RandomDraws:
 
     accept_uniform: torch.Tensor  # [num_drafts] in [0, 1)
     sample_uniform: torch.Tensor  # [num_requests] in [0, 1)
+    seeds: torch.Tensor | None = None  # [num_requests] int64 keys (dspark.random_draws)
+    anchor_positions: torch.Tensor | None = None  # [num_requests] int64, n_r of each request
 
     def to(self, device: torch.device | str) -> "RandomDraws":
         """The same draws on `device` (drawn on the host, used where the logits are)."""
-        return RandomDraws(self.accept_uniform.to(device, non_blocking=True),
-                           self.sample_uniform.to(device, non_blocking=True))
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return RandomDraws(move(self.accept_uniform), move(self.sample_uniform),
+                           move(self.seeds), move(self.anchor_positions))
 
 
 @dataclass
@@ -176,27 +187,50 @@ class VerifyResult:
 
 
 def draw_uniforms(draft_lens: torch.Tensor,
-                  generators: torch.Generator | Sequence[torch.Generator | None] | None = None
-                  ) -> RandomDraws:
-    """Draw the uniforms for one verification.
+                  generators: CounterGenerator | Sequence[CounterGenerator],
+                  anchor_positions: torch.Tensor | Sequence[int]) -> RandomDraws:
+    """The uniforms of one verification round, keyed (dspark.random_draws): request r's accept
+    uniforms are ACCEPT (n_r, k) for k = 1..l_r and its recovered/bonus uniform NEXT (n_r, 0),
+    where n_r is its anchor's position, under its generator's seed. They depend on nothing
+    else: not on the batch around the request, nor on what it drew before.
 
-    generators: one generator (or None) for the whole batch, drawn in one vectorised call; or one
-    per request, where request r draws its l_r accept uniforms and then its sample uniform from
-    its own stream (None there = the global stream), so a seeded request's output does not depend
-    on which other requests share its batch.
+    draft_lens [num_requests]; generators: one per request, or one for all (then the anchor
+    positions must tell the requests apart); anchor_positions [num_requests].
     """
     num_requests = draft_lens.shape[0]
-    num_drafts = int(draft_lens.sum())
-    if generators is None or isinstance(generators, torch.Generator):
-        return RandomDraws(torch.rand(num_drafts, generator=generators),
-                           torch.rand(num_requests, generator=generators))
+    if isinstance(generators, CounterGenerator):
+        generators = [generators] * num_requests
     if len(generators) != num_requests:
         raise ValueError(f"{len(generators)} generators for {num_requests} requests")
-    accept, sample = [], []
-    for n, g in zip(draft_lens.tolist(), generators):
-        accept.append(torch.rand(n, generator=g))
-        sample.append(torch.rand(1, generator=g))
-    return RandomDraws(torch.cat(accept) if accept else torch.zeros(0), torch.cat(sample))
+    device = draft_lens.device
+    seeds = seed_tensor(generators, device)  # [num_requests]
+    anchors = torch.as_tensor(anchor_positions, dtype=torch.int64, device=device)
+    assert anchors.shape == (num_requests,), (anchors.shape, num_requests)
+    req_of_draft = torch.repeat_interleave(torch.arange(num_requests, device=device), draft_lens)
+    first_draft = torch.cumsum(draft_lens, 0) - draft_lens  # [num_requests]
+    k = torch.arange(req_of_draft.shape[0], device=device) - first_draft[req_of_draft] + 1
+    accept = keyed_uniforms(seeds[req_of_draft], anchors[req_of_draft], k, Purpose.ACCEPT)
+    sample = keyed_uniforms(seeds, anchors, torch.zeros_like(anchors), Purpose.NEXT)
+    return RandomDraws(accept, sample, seeds, anchors)
+
+
+def sample_first_tokens(logits: torch.Tensor, sampling: SamplingTensors,
+                        generators: Sequence[CounterGenerator], prompt_lengths: Sequence[int],
+                        rule: VerificationRule = VerificationRule.TOKEN) -> torch.Tensor:
+    """The first token after each prompt, from its last logits: logits [F, V], sampling [F],
+    generators [F], prompt_lengths [F] (P: the token lands at position P) -> [F] token ids.
+
+    Token and block rules: the NEXT uniform of "anchor" P - 1 (the prompt's last token). The
+    drafter-invariant rule: Gumbel-max at position P, as every later token of that rule.
+    """
+    device = logits.device
+    seeds = seed_tensor(generators, device)  # [F]
+    lengths = torch.as_tensor(list(prompt_lengths), dtype=torch.int64, device=device)  # [F]
+    if rule is VerificationRule.DRAFTER_INVARIANT:
+        from dspark.gumbel_verification import sample_first_tokens as gumbel_first_tokens
+        return gumbel_first_tokens(logits, sampling, seeds, lengths)
+    uniforms = keyed_uniforms(seeds, lengths - 1, torch.zeros_like(lengths), Purpose.NEXT)
+    return sample_from_probs(probs_from_logits(logits, sampling), uniforms)
 
 
 def draft_prob_of_tokens(draft_probs: DraftProbs, tokens: torch.Tensor) -> torch.Tensor:
@@ -232,6 +266,9 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     Branches are chosen from what the host knows (draft lengths, sampling params), not by
     reading the device: at the token rule the only device read is the check that every draft
     has probability > 0 (and the nucleus search of top_p rows)."""
+    if rule is VerificationRule.DRAFTER_INVARIANT:
+        from dspark.gumbel_verification import verify_invariant
+        return verify_invariant(batch, draws)
     lens = batch.draft_lens.tolist()  # [R] host ints (draft_lens lives on the host)
     num_requests, vocab_size = batch.num_requests, batch.vocab_size
     num_drafts = sum(lens)
@@ -382,6 +419,9 @@ def verify_reference(batch: VerifyBatch, draws: RandomDraws,
                      rule: VerificationRule = VerificationRule.TOKEN) -> VerifyResult:
     """Slow, obviously-correct per-request loop: DESIGN.md section 5 read literally (a sampled
     request under the block rule: `block_verify_reference` on that request alone)."""
+    if rule is VerificationRule.DRAFTER_INVARIANT:
+        from dspark.gumbel_verification import verify_invariant_reference
+        return verify_invariant_reference(batch, draws)
     vocab_size = batch.vocab_size
     num_accepted, next_tokens = [], []
     draft_row = 0

@@ -8,6 +8,7 @@ from typing import Hashable
 
 import torch
 
+from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 
 
@@ -36,7 +37,7 @@ class Request:
     sampling: SamplingParams
     max_tokens: int
     stop_token_ids: frozenset[int]
-    generator: torch.Generator | None
+    generator: CounterGenerator
     output_ids: list[int] = field(default_factory=list)
     prefilled: int = 0
     """Prompt tokens the target has read so far (chunked prefill)."""

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from dspark.random_draws import CounterGenerator
+
 # Temperatures below this are greedy (see the module docstring).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -47,7 +49,8 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 = off."""
     seed: int | None = None
-    """Seed of the request's own random stream (same seed, same output); None = shared stream."""
+    """Seed of the request's random numbers (dspark.random_draws: same seed, same output); None =
+    a fresh seed drawn when the request is admitted."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
@@ -63,13 +66,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """A fresh generator for this request's random stream, or None when unseeded."""
-        if self.seed is None:
-            return None
-        g = torch.Generator(device=device)
-        g.manual_seed(int(self.seed))
-        return g
+    def generator(self) -> CounterGenerator:
+        """This request's random numbers (dspark.random_draws): keyed by its seed, or by a fresh
+        seed drawn now when it has none."""
+        return CounterGenerator.for_seed(self.seed)
 
 
 @dataclass(frozen=True)

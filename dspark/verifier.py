@@ -33,7 +33,9 @@ from dspark.models.draft_types import DraftBlock
 from dspark.models.runner import ForwardItem, TargetRunner
 from dspark.rejection import (SparseDraftProbs, VerificationRule, VerifyBatch, draw_uniforms,
                               verify)
-from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
+from dspark.random_draws import CounterGenerator
+from dspark.rejection import sample_first_tokens
+from dspark.sampling import SamplingParams, SamplingTensors
 
 
 @dataclass
@@ -55,7 +57,8 @@ class VerifyRequest:
     num_drafts: int
     """l_r: how many of the block's tokens the admission admitted."""
     sampling: SamplingParams
-    generator: torch.Generator | None = None
+    generator: CounterGenerator | None = None
+    """Its random numbers (None: keyed by sampling.seed, or a fresh seed)."""
     hold_features: bool = False
     """Keep the committed tokens' features with the verifier (`take_features`) instead of
     returning them (dspark.feature_stash)."""
@@ -74,7 +77,7 @@ class PrefillChunk:
     final: bool
     """The prompt's last piece: the request's first token is sampled from its last logits."""
     sampling: SamplingParams
-    generator: torch.Generator | None = None
+    generator: CounterGenerator | None = None
     continued: bool = False
     """The request's earlier pieces are already in the KV cache (else it is new here)."""
     hold_features: bool = False
@@ -148,7 +151,7 @@ class TargetVerifier:
 
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None],
+                generators: Sequence[CounterGenerator | None],
                 logprobs: Sequence[int | None] | None = None) -> PrefillOutput:
         """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks)."""
         logprobs = [None] * len(request_ids) if logprobs is None else logprobs
@@ -235,7 +238,8 @@ class TargetVerifier:
                 target_logits=out.logits[:verify_rows], sampling=[r.sampling for r in requests])
             if self.batch_observer is not None:
                 self.batch_observer(batch)
-            draws = draw_uniforms(draft_lens, [r.generator for r in requests])
+            generators = [CounterGenerator.resolve(r.generator, r.sampling.seed) for r in requests]
+            draws = draw_uniforms(draft_lens, generators, old_lengths)
             result = verify(batch, draws.to(device), self.rule)
             num_accepted, output_tokens = result.to_host(batch)  # one device-to-host copy
             logprobs = _output_logprobs(requests, lens, output_tokens, batch.target_logits)
@@ -252,7 +256,8 @@ class TargetVerifier:
                         torch.tensor(committed, dtype=torch.int64)))
                     flat = None
                 features.append(flat)
-        chunks = self._chunk_outputs(prefill, out, len(requests), out.logits[verify_rows:])
+        chunks = self._chunk_outputs(prefill, out, len(requests), out.logits[verify_rows:],
+                                     chunk_starts)
         if chunks is not None:
             for i, (chunk, start) in enumerate(zip(prefill, chunk_starts)):
                 held = chunk.hold_features or chunk.request_id in self.stash
@@ -268,21 +273,21 @@ class TargetVerifier:
                             logprobs=logprobs)
 
     def _chunk_outputs(self, prefill: Sequence[PrefillChunk], out, first_item: int,
-                       logits: torch.Tensor) -> ChunkOutput | None:
+                       logits: torch.Tensor, chunk_starts: Sequence[int]) -> ChunkOutput | None:
         """First tokens of the final chunks (from `logits` [num_final, V], in order) and every
-        chunk's features."""
+        chunk's features; chunk_starts [num_chunks]: where each chunk begins in its prompt."""
         if not prefill:
             return None
         final = [c for c in prefill if c.final]
         first: list[int | None] = [None] * len(prefill)
         logprobs: list[TokenLogprobs | None] | None = None
         if final:
-            device = logits.device
-            probs = probs_from_logits(logits, SamplingTensors.from_params(
-                [c.sampling for c in final], device=device))
-            uniforms = torch.cat([torch.rand(1, generator=c.generator)
-                                  for c in final]).to(device, non_blocking=True)  # [F]
-            first_tokens = sample_from_probs(probs, uniforms)  # [F]
+            first_tokens = sample_first_tokens(  # [F]
+                logits, SamplingTensors.from_params([c.sampling for c in final],
+                                                    device=logits.device),
+                [CounterGenerator.resolve(c.generator, c.sampling.seed) for c in final],
+                [s + len(c.token_ids) for c, s in zip(prefill, chunk_starts) if c.final],
+                self.rule)
             sampled = iter(first_tokens.tolist())
             first = [next(sampled) if c.final else None for c in prefill]
             asked = [c.logprobs for c in final]

@@ -33,7 +33,8 @@ from dspark.admission import (
     theta_curve,
 )
 from dspark.cost_table import CostTable, ThetaObjective
-from dspark.rejection import VerifyBatch, draw_uniforms, verify
+from dspark.random_draws import CounterGenerator
+from dspark.rejection import RandomDraws, VerifyBatch, draw_uniforms, verify
 from dspark.sampling import SamplingParams
 
 A, B = 0, 1
@@ -46,6 +47,12 @@ P_TARGET_3 = torch.tensor([0.5, 0.5])  # bonus position after two accepted draft
 C_2 = {A: 0.9, B: 0.0}
 WRAPPER_ROUNDS = 4_000
 ALPHA = 1e-3  # a correct scheduler must not be rejected at this level (fixed seed: deterministic)
+
+
+def seeded_draws(draft_lens: torch.Tensor, seed: int) -> RandomDraws:
+    """Keyed draws (dspark.random_draws) for a batch of independent requests: one seed, request
+    r's anchor at position r."""
+    return draw_uniforms(draft_lens, CounterGenerator(seed), torch.arange(len(draft_lens)))
 
 
 def cost_table() -> CostTable:
@@ -129,7 +136,7 @@ def first_output_tokens(x1: torch.Tensor, x2: torch.Tensor, lengths: np.ndarray,
         target_logits=target_logits,
         sampling=[SamplingParams(temperature=1.0)] * num_rounds,
     )
-    result = verify(batch, draw_uniforms(draft_lens, torch.Generator().manual_seed(seed)))
+    result = verify(batch, seeded_draws(draft_lens, seed))
     assert bool((result.num_accepted <= draft_lens).all())
     first = torch.tensor([tokens[0] for tokens in result.output_tokens(batch)])  # [num_rounds]
     # the accepted draft x_1 when one was accepted, otherwise the recovered/plain token

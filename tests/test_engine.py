@@ -554,8 +554,10 @@ def test_held_features_give_the_drafter_the_same_context(tiny_target, slope):
             return take(ids)
 
         engine.verifier.take_features = recording_take
-        done, records = generate_recording(engine, PROMPTS, SamplingParams(temperature=1.0, seed=7),
-                                           20)
+        # Unseeded (a seeded request would have the drafting gate bypassed: no probes, no
+        # skips, dspark.seeded_admission), with the same fresh seeds in both runs.
+        torch.manual_seed(7)
+        done, records = generate_recording(engine, PROMPTS, SamplingParams(temperature=1.0), 20)
         runs.append(([r.output_ids for r in done], records, taken, engine))
     (plain_out, plain_records, plain_taken, _), (held_out, held_records, taken, engine) = runs
     assert held_out == plain_out

@@ -15,6 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dspark.random_draws import CounterGenerator
 from dspark.rejection import (
     RandomDraws,
     SparseDraftProbs,
@@ -33,6 +34,12 @@ GAMMA = 2
 NUM_TRIALS = 200_000
 P_VALUE_OK = 1e-3  # a right verifier fails this 1 time in 1000 (and the seeds are fixed)
 P_VALUE_BIASED = 1e-8  # a wrong verifier must be far out
+
+
+def seeded_draws(draft_lens: torch.Tensor, seed: int) -> RandomDraws:
+    """Keyed draws (dspark.random_draws) for a batch of independent requests: one seed, request
+    r's anchor at position r."""
+    return draw_uniforms(draft_lens, CounterGenerator(seed), torch.arange(len(draft_lens)))
 
 
 def one_hot_logits(token: int, vocab: int = 8) -> torch.Tensor:
@@ -80,7 +87,7 @@ def test_greedy_ignores_the_random_draws():
     batch = VerifyBatch(drafts, torch.tensor([3]), torch.eye(6)[drafts], logits,
                         [SamplingParams(temperature=0)])
     for seed in range(5):
-        result = verify(batch, draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(seed)))
+        result = verify(batch, seeded_draws(batch.draft_lens, seed))
         assert result.output_tokens(batch) == [[int(argmax[0]), int(argmax[1]), int(argmax[2])]]
 
 
@@ -94,7 +101,7 @@ def test_invalid_batches_name_the_problem():
     batch = VerifyBatch(torch.tensor([1]), torch.tensor([1]), torch.eye(4)[[2]], torch.zeros(2, 4),
                         [SamplingParams()])
     with pytest.raises(ValueError, match="zero probability"):
-        verify(batch, draw_uniforms(batch.draft_lens))
+        verify(batch, draw_uniforms(batch.draft_lens, CounterGenerator(0), [0]))
 
 
 # ---------------------------------------------------------------- fast path == reference
@@ -128,7 +135,7 @@ def random_batch(seed: int, num_requests: int, vocab: int, sparse_k: int | None)
 def test_batched_equals_reference_on_the_same_draws(sparse_k, rule):
     for seed in range(20):
         batch = random_batch(seed, num_requests=9, vocab=17, sparse_k=sparse_k)
-        draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(100 + seed))
+        draws = seeded_draws(batch.draft_lens, 100 + seed)
         fast, slow = verify(batch, draws, rule), verify_reference(batch, draws, rule)
         assert fast.num_accepted.tolist() == slow.num_accepted.tolist()
         assert fast.next_tokens.tolist() == slow.next_tokens.tolist()
@@ -136,15 +143,16 @@ def test_batched_equals_reference_on_the_same_draws(sparse_k, rule):
 
 def test_per_request_generators_make_a_request_independent_of_its_batch():
     batch = random_batch(7, num_requests=6, vocab=17, sparse_k=None)
-    gens = lambda: [torch.Generator().manual_seed(1000 + r) for r in range(6)]
-    full = verify(batch, draw_uniforms(batch.draft_lens, gens())).output_tokens(batch)
+    gens = [CounterGenerator(1000 + r) for r in range(6)]
+    anchors = torch.arange(6) * 10 + 3  # where each request's anchor sits
+    full = verify(batch, draw_uniforms(batch.draft_lens, gens, anchors)).output_tokens(batch)
     # Request 4 alone, with its own generator seeded the same way, gives the same tokens.
     start = int(batch.draft_lens[:4].sum())
     n = int(batch.draft_lens[4])
     alone = VerifyBatch(batch.draft_tokens[start:start + n], batch.draft_lens[4:5],
                         batch.draft_probs[start:start + n],
                         batch.target_logits[start + 4:start + 4 + n + 1], [batch.sampling[4]])
-    draws = draw_uniforms(alone.draft_lens, [torch.Generator().manual_seed(1004)])
+    draws = draw_uniforms(alone.draft_lens, [CounterGenerator(1004)], anchors[4:5])
     assert verify(alone, draws).output_tokens(alone) == [full[4]]
 
 
@@ -191,6 +199,7 @@ def simulate(models: ToyModels, target: SamplingParams, *, draft_sample_temperat
     trial = torch.arange(n)
     seq = torch.full((n, 2 + 3 * (gamma + 1)), BOS, dtype=torch.int64)  # BOS BOS y1 y2 ...
     produced = torch.zeros(n, dtype=torch.int64)
+    trial_generators = [CounterGenerator(seed * n + t) for t in range(n)]
     draft_params = SamplingParams(temperature=draft_sample_temperature, top_k=sparse_top_k or 0)
     q_table = table_probs(models.draft_logits, draft_params)  # [V+1, V+1, V]
     reported = q_table if reported_draft_temperature is None else table_probs(
@@ -219,7 +228,9 @@ def simulate(models: ToyModels, target: SamplingParams, *, draft_sample_temperat
             probs_arg = SparseDraftProbs(top.indices, top.values)
         batch = VerifyBatch(drafts_t[draft_mask], lens, probs_arg, target_rows[target_mask],
                             [target] * n)
-        result = verifier(batch, draw_uniforms(lens, g))
+        # Keyed as in serving: each trial's own seed, and its anchor's position (one more token
+        # produced every round, so every round draws fresh numbers).
+        result = verifier(batch, draw_uniforms(lens, trial_generators, produced))
         accepted = result.num_accepted
         for j in range(gamma):
             m = j < accepted
@@ -294,7 +305,7 @@ def test_sparse_and_dense_give_identical_outputs_on_the_same_draws():
         dense = torch.zeros(sp.indices.shape[0], 17).scatter_(1, sp.indices, sp.probs)
         dense_batch = VerifyBatch(sparse_batch.draft_tokens, sparse_batch.draft_lens, dense,
                                   sparse_batch.target_logits, sparse_batch.sampling)
-        draws = draw_uniforms(sparse_batch.draft_lens, torch.Generator().manual_seed(seed))
+        draws = seeded_draws(sparse_batch.draft_lens, seed)
         a, b = verify(sparse_batch, draws), verify(dense_batch, draws)
         assert a.num_accepted.tolist() == b.num_accepted.tolist()
         assert a.next_tokens.tolist() == b.next_tokens.tolist()
@@ -349,7 +360,7 @@ def test_block_rule_accepts_more_drafts_than_the_token_rule_on_the_same_blocks()
     logits = torch.randn(3 + 1, V, generator=g) * 1.5
     batch = VerifyBatch(tokens, torch.full((reps,), 3), q.repeat(reps, 1), logits.repeat(reps, 1),
                         [PLAIN] * reps)
-    draws = draw_uniforms(batch.draft_lens, g)
+    draws = draw_uniforms(batch.draft_lens, CounterGenerator(14), torch.arange(reps))
     token_rule = verify(batch, draws).num_accepted.float().mean()
     block_rule = verify_blocks(batch, draws).num_accepted.float().mean()
     assert float(block_rule) > float(token_rule) + 0.01
@@ -358,7 +369,7 @@ def test_block_rule_accepts_more_drafts_than_the_token_rule_on_the_same_blocks()
 def test_greedy_requests_are_unchanged_by_the_block_rule():
     for seed in range(5):
         batch = random_batch(seed, num_requests=9, vocab=17, sparse_k=None)
-        draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(seed))
+        draws = seeded_draws(batch.draft_lens, seed)
         token_rule, block_rule = verify(batch, draws), verify_blocks(batch, draws)
         for r, params in enumerate(batch.sampling):
             if params.is_greedy:
@@ -436,7 +447,7 @@ def test_block_rule_reads_padded_supports_as_the_unpadded_ones():
                              SparseDraftProbs(torch.cat([sp.indices, pad], 1),
                                               torch.cat([sp.probs, pad.float()], 1)),
                              batch.target_logits, batch.sampling)
-        draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(seed))
+        draws = seeded_draws(batch.draft_lens, seed)
         a, b = verify_blocks(batch, draws), verify_blocks(padded, draws)
         assert a.num_accepted.tolist() == b.num_accepted.tolist()
         assert a.next_tokens.tolist() == b.next_tokens.tolist()
@@ -456,7 +467,7 @@ def test_one_support_row_for_every_draft_reads_as_the_materialised_rows(rule):
         shared = SparseDraftProbs(support.expand(n, -1), probs)
         assert shared.shared_support is not None
         materialised = SparseDraftProbs(support.expand(n, -1).contiguous(), probs)
-        draws = draw_uniforms(batch.draft_lens, torch.Generator().manual_seed(seed))
+        draws = seeded_draws(batch.draft_lens, seed)
         a, b = (verify(VerifyBatch(tokens, batch.draft_lens, p, batch.target_logits,
                                    batch.sampling), draws, rule) for p in (shared, materialised))
         assert a.num_accepted.tolist() == b.num_accepted.tolist()
@@ -464,3 +475,51 @@ def test_one_support_row_for_every_draft_reads_as_the_materialised_rows(rule):
         ref = verify_reference(VerifyBatch(tokens, batch.draft_lens, materialised,
                                            batch.target_logits, batch.sampling), draws, rule)
         assert a.next_tokens.tolist() == ref.next_tokens.tolist()
+
+
+# ---------------------------------------------------------------- the drafter-invariant rule
+
+
+def verify_invariant(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
+    return verify(batch, draws, VerificationRule.DRAFTER_INVARIANT)
+
+
+def invariant_rule_with_noise_keyed_by_round(batch: VerifyBatch, draws: RandomDraws
+                                             ) -> VerifyResult:
+    """WRONG on purpose: every row of a round reads the noise of the round's first position
+    (keyed by the anchor, not by the position), so the tokens of one round are coupled."""
+    from dspark.gumbel_verification import target_samples
+    lens = batch.draft_lens
+    rows = lens + 1
+    req_of_row = torch.repeat_interleave(torch.arange(batch.num_requests), rows)
+    sampling = SamplingTensors.from_params(batch.sampling).repeat(rows)
+    y = target_samples(batch.target_logits, sampling, draws.seeds[req_of_row],
+                       draws.anchor_positions[req_of_row] + 1)
+    starts = torch.cumsum(rows, 0) - rows
+    accepted = []
+    for r in range(batch.num_requests):
+        d0 = int(lens[:r].sum())
+        n = 0
+        while n < int(lens[r]) and int(batch.draft_tokens[d0 + n]) == int(y[starts[r] + n]):
+            n += 1
+        accepted.append(n)
+    accepted_t = torch.tensor(accepted)
+    return VerifyResult(accepted_t, y[starts + accepted_t])
+
+
+def test_drafter_invariant_rule_output_distribution_is_exactly_the_targets():
+    codes = simulate(MODELS, PLAIN, verifier=verify_invariant, seed=21)
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) > P_VALUE_OK
+
+
+def test_drafter_invariant_rule_keeps_transformed_targets_and_sparse_drafts_exact():
+    target = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    codes = simulate(MODELS, target, draft_sample_temperature=0.8, sparse_top_k=3,
+                     verifier=verify_invariant, seed=22)
+    assert chi_square_p_value(codes, exact_joint(MODELS, target)) > P_VALUE_OK
+
+
+def test_the_test_has_power_noise_keyed_by_the_round_fails():
+    codes = simulate(MODELS, PLAIN, verifier=invariant_rule_with_noise_keyed_by_round, seed=23,
+                     num_trials=20_000)
+    assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) < P_VALUE_BIASED

@@ -80,7 +80,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", type=Path, default=None,
                         help="write acceptance.png and reliability_<method>.png here")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--verification", default="token", choices=["token", "block"],
+    parser.add_argument("--verification", default="token",
+                        choices=["token", "block", "drafter-invariant"],
                         help="how sampled drafts are accepted: token (the paper's protocol, which "
                              "the confidences are calibrated to) or block "
                              "(dspark.block_verification)")

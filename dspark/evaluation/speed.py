@@ -592,7 +592,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="of the target and the transformers peers (the drafter: dspark.loading.drafter_dtype)")
     parser.add_argument("--sparse-top-k", type=int, default=None,
                         help="engine: ship draft distributions as top-k (default dense)")
-    parser.add_argument("--verification", default="token", choices=["token", "block"],
+    parser.add_argument("--verification", default="token",
+                        choices=["token", "block", "drafter-invariant"],
                         help="engine: how sampled drafts are accepted (dspark.rejection)")
     parser.add_argument("--cost-table", type=Path, default=None,
                         help="SPS(B) table JSON (default: measured at start-up)")

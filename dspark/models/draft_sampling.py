@@ -4,7 +4,7 @@
 parameter or drafter-side truncation: k) draw from the renormalised top-k of their logits, dense
 rows from the full draft vocabulary (returned sparse over it when it is reduced: its V_d target
 ids are the support). `sample_block_position` then draws position k for all of
-them from the uniforms `draw_uniforms` took from each request's own generator, and
+them from the uniforms `draw_uniforms` keys by each request's seed and anchor, and
 `assemble_blocks` turns the positions into one `DraftBlock` per request.
 
 Each token x_k is drawn from exactly the distribution returned for it (the draft distribution
@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 
 from dspark.models.draft_types import DraftBlock, DraftRequest
+from dspark.random_draws import (CounterGenerator, Purpose, gumbel_noise, keyed_uniforms,
+                                 seed_tensor)
 from dspark.sampling import SamplingTensors, argmax_first, probs_from_logits, sample_from_probs
 
 
@@ -43,6 +45,11 @@ class RowPlan:
     sparse_greedy: torch.Tensor | None  # [n_sparse] bool
     beyond_k: torch.Tensor | None  # [n_sparse, k_max] bool: slots past each row's own k
     dense_params: SamplingTensors | None
+    gumbel_rows: torch.Tensor | None = None
+    """[R] bool: rows that draft by Gumbel-max with the target's position-keyed noise
+    (CounterGenerator.shared_noise, the drafter-invariant rule); None = none does."""
+    seeds: torch.Tensor | None = None  # [R] int64 each request's key, with gumbel_rows
+    anchor_positions: torch.Tensor | None = None  # [R] int64, with gumbel_rows
 
 
 def _select(index: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +93,31 @@ def plan_rows(requests: Sequence[DraftRequest], vocab_size: int,
         plan.dense_params = SamplingTensors(_select(dense_index, sampling.temperature),
                                             _select(dense_index, sampling.top_k),
                                             _select(dense_index, sampling.top_p))
+    generators = [CounterGenerator.resolve(r.generator, r.sampling.seed) for r in requests]
+    if any(g.shared_noise and not r.sampling.is_greedy for g, r in zip(generators, requests)):
+        plan.gumbel_rows = torch.tensor([g.shared_noise for g in generators], device=device)
+        plan.seeds = seed_tensor(generators, device)
+        plan.anchor_positions = torch.tensor([r.anchor_position for r in requests],
+                                             dtype=torch.int64, device=device)
     return plan
+
+
+def position_noise(plan: RowPlan, k: int, target_ids: torch.Tensor) -> torch.Tensor | None:
+    """The Gumbel noise of block position k (1-based: output position anchor + k) at each draft
+    vocabulary id's target id `target_ids` [V_d]: [R, V_d], or None when no row drafts by
+    Gumbel-max (dspark.gumbel_verification)."""
+    if plan.gumbel_rows is None:
+        return None
+    return gumbel_noise(plan.seeds, plan.anchor_positions + k,
+                        target_ids.expand(plan.num_rows, -1))
+
+
+def _gumbel_picks(pick: torch.Tensor, probs: torch.Tensor, noise: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+    """Where `rows` [n] is True, the Gumbel-max column of probs [n, k] under noise [n, k]
+    instead of the inverse-CDF pick [n]."""
+    gumbel = argmax_first(torch.log(probs) + noise, dim=1)  # log 0 = -inf: never chosen
+    return torch.where(rows, gumbel, pick)
 
 
 @dataclass
@@ -99,10 +130,11 @@ class PositionSample:
     dense_probs: torch.Tensor | None  # [n_dense, V_d]
 
 
-def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.Tensor | None
-                          ) -> PositionSample:
+def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.Tensor | None,
+                          noise: torch.Tensor | None = None) -> PositionSample:
     """Sample one position for every request: logits [R, V_d] float32, uniforms [R] in [0, 1)
-    (None only when every request is greedy).
+    (None only when every request is greedy); noise [R, V_d] (`position_noise`) for the rows
+    that draft by Gumbel-max, None when none does.
 
     Each token is drawn from exactly the distribution returned for its row.
     """
@@ -121,6 +153,10 @@ def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.T
         values = values.masked_fill(plan.beyond_k, float("-inf"))
         sparse_probs = probs_from_logits(values, plan.sparse_params)  # greedy: one-hot at slot 0
         pick = sample_from_probs(sparse_probs, _select(plan.sparse_index, uniforms))
+        if noise is not None:
+            pick = _gumbel_picks(pick, sparse_probs,
+                                 _select(plan.sparse_index, noise).gather(1, sparse_indices),
+                                 _select(plan.sparse_index, plan.gumbel_rows))
         picked = sparse_indices.gather(1, pick.unsqueeze(1)).squeeze(1)
         if plan.sparse_index is None:
             tokens = picked
@@ -129,6 +165,9 @@ def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.T
     if plan.dense_rows:
         dense_probs = probs_from_logits(_select(plan.dense_index, logits), plan.dense_params)
         picked = sample_from_probs(dense_probs, _select(plan.dense_index, uniforms))
+        if noise is not None:
+            picked = _gumbel_picks(picked, dense_probs, _select(plan.dense_index, noise),
+                                   _select(plan.dense_index, plan.gumbel_rows))
         if plan.dense_index is None:
             tokens = picked
         else:
@@ -137,10 +176,16 @@ def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.T
 
 
 def draw_uniforms(requests: Sequence[DraftRequest], count: int, device: torch.device) -> torch.Tensor:
-    """[R, count] uniforms, each request's from its own generator (or the global stream)."""
-    rows = [torch.rand(count, generator=req.generator) if req.generator is not None
-            else torch.rand(count) for req in requests]
-    return torch.stack(rows).to(device) if rows else torch.empty(0, count, device=device)
+    """[R, count] uniforms: request r's DRAFT (anchor position, k) for k = 1..count under its
+    generator's seed (dspark.random_draws), the same whatever else is drafted with it."""
+    R = len(requests)
+    seeds = seed_tensor([CounterGenerator.resolve(r.generator, r.sampling.seed) for r in requests],
+                        device)  # [R]
+    anchors = torch.tensor([r.anchor_position for r in requests], dtype=torch.int64, device=device)
+    k = torch.arange(1, count + 1, dtype=torch.int64, device=device)  # [count]
+    u = keyed_uniforms(seeds.repeat_interleave(count), anchors.repeat_interleave(count),
+                       k.repeat(R), Purpose.DRAFT)
+    return u.reshape(R, count)
 
 
 def assemble_blocks(plan: RowPlan, samples: Sequence[PositionSample], confidences: torch.Tensor,

@@ -24,6 +24,7 @@ from typing import Hashable, Protocol, Sequence
 
 import torch
 
+from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 
 
@@ -38,8 +39,9 @@ class DraftRequest:
     """Absolute position of x_0; the context must hold the features of positions < this."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Temperature (0 = greedy), top_k (0 = off), top_p (1 = off): the same as the target's."""
-    generator: torch.Generator | None = None
-    """The request's random stream; None = torch's global stream."""
+    generator: CounterGenerator | None = None
+    """The request's random numbers (dspark.random_draws); None = keyed by sampling.seed, or by
+    a fresh seed when that is None too."""
 
 
 @dataclass

@@ -30,7 +30,7 @@ from torch import nn
 
 from dspark.models.context_kv_cache import ContextKVCache, RequestContext
 from dspark.models.draft_sampling import (assemble_blocks, draw_uniforms, plan_rows,
-                                          sample_block_position)
+                                          position_noise, sample_block_position)
 from dspark.models.draft_types import (BlockTrainOutputs, DraftBlock, DraftRequest,
                                        positions_to_draft)
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
@@ -387,6 +387,8 @@ class DSparkDrafter(FrozenTargetHead):
         plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
         uniforms = None if plan.all_greedy else draw_uniforms(requests, gamma, device)  # [R, gamma]
         reduced = cfg.draft_vocab_size is not None
+        target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
+                      else torch.arange(self.draft_vocab_size, device=device))
         rows = self._calibration_rows(requests)
         conf_t = self.confidence_temperatures[0 if rows is None else rows]  # [gamma] or [R, gamma]
         conf_b = self.confidence_biases[0 if rows is None else rows]
@@ -400,7 +402,8 @@ class DSparkDrafter(FrozenTargetHead):
                 logits_k, state, w1_prev = self.markov_head.add_bias(logits_k, prev, hn[:, k], state)
                 w1_prevs.append(w1_prev)  # [R, r]: W1[x_{k-1}]
             u_k = None if uniforms is None else uniforms[:, k]
-            sample = sample_block_position(logits_k, plan, u_k)
+            sample = sample_block_position(logits_k, plan, u_k,
+                                           position_noise(plan, k + 1, target_ids))
             samples.append(sample)
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
         # c_k reads norm(h_k) and W1[x_{k-1}], never x_k: one product for every position, after

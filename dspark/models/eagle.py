@@ -34,6 +34,7 @@ from dspark.models.draft_sampling import (
     assemble_blocks,
     draw_uniforms,
     plan_rows,
+    position_noise,
     sample_block_position,
 )
 from dspark.models.draft_types import (
@@ -282,6 +283,8 @@ class EagleDrafter(FrozenTargetHead):
         plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
         uniforms = None if plan.all_greedy else draw_uniforms(requests, gamma, device)
         reduced = cfg.draft_vocab_size is not None
+        target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
+                      else torch.arange(self.draft_vocab_size, device=device))
         chain_k = chain_v = None
         samples, confidences = [], []
         for s in range(n):
@@ -297,7 +300,8 @@ class EagleDrafter(FrozenTargetHead):
             logits = self.base_logits(self.norm(out[:, 0]))  # [R, V_d]
             confidences.append(torch.softmax(logits, dim=-1).max(dim=-1).values)
             u_s = None if uniforms is None else uniforms[:, s]
-            sample = sample_block_position(logits, plan, u_s)
+            sample = sample_block_position(logits, plan, u_s,
+                                           position_noise(plan, s + 1, target_ids))
             samples.append(sample)
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
             hidden = out

@@ -126,9 +126,11 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
     grace_seconds: float = _field(5.0, "on SIGTERM, seconds to finish in-flight calls")
     idle_expiry_seconds: float = _field(600.0, "free a request's KV cache after this long without "
                                                "a call (a scheduler that died); 0 = never")
-    verification: str = _field("token", "token | block: how sampled requests' drafts are "
-                                         "accepted, token by token or the whole block at once "
-                                         "(both exact; greedy is the same under both)")
+    verification: str = _field("token", "token | block | drafter-invariant: how sampled "
+                                         "requests' drafts are accepted, token by token, the "
+                                         "whole block at once, or iff equal to the target's "
+                                         "seeded Gumbel-max sample (all exact; greedy is the "
+                                         "same under all)")
 
     def __post_init__(self) -> None:
         _check_port(self.port, "port")

@@ -15,12 +15,6 @@ from dspark.sampling import SamplingParams
 from dspark.serving import tensor_codec
 from dspark.serving.protos import pb
 
-# The drafter service seeds its own stream of a seeded request with seed + this offset, so that
-# the drafter's uniforms (which sample x_k) are never the verifier's uniforms (which accept or
-# reject x_k): reusing one stream on both sides would correlate the two and bias the output.
-DRAFTER_SEED_OFFSET = 0x5DEECE66D
-
-
 def sampling_to_pb(params: SamplingParams) -> "pb.common.SamplingParams":
     msg = pb.common.SamplingParams(temperature=params.temperature, top_k=params.top_k,
                                    top_p=params.top_p)
@@ -29,9 +23,9 @@ def sampling_to_pb(params: SamplingParams) -> "pb.common.SamplingParams":
     return msg
 
 
-def sampling_from_pb(msg: "pb.common.SamplingParams", seed_offset: int = 0) -> SamplingParams:
+def sampling_from_pb(msg: "pb.common.SamplingParams") -> SamplingParams:
     """Raises ValueError (from SamplingParams) naming a bad temperature / top_k / top_p."""
-    seed = msg.seed + seed_offset if msg.HasField("seed") else None
+    seed = msg.seed if msg.HasField("seed") else None
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
                           seed=seed)
 

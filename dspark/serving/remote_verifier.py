@@ -28,6 +28,7 @@ from dspark.cost_table import CostTable
 from dspark.feature_stash import FeaturePiece
 from dspark.logprobs import TokenLogprobs
 from dspark.models.kv_cache import KVCacheFull
+from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import channel
@@ -86,7 +87,7 @@ class RemoteVerifier:
     # -- the TargetVerifier interface -------------------------------------------------------
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None],
+                generators: Sequence[CounterGenerator | None],
                 logprobs: Sequence[int | None] | None = None) -> PrefillOutput:
         """(generators are the scheduler's; the verifier seeds its own from sampling.seed.)"""
         ids = [str(r) for r in request_ids]

@@ -38,7 +38,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", default="dspark", help="the model name clients send")
     parser.add_argument("--policy", default="async_topk")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--verification", default="token", choices=["token", "block"],
+    parser.add_argument("--verification", default="token",
+                        choices=["token", "block", "drafter-invariant"],
                         help="how the verifier accepts sampled requests' drafts: token by token "
                              "or the whole block at once (both exact)")
     add_device_argument(parser, help_suffix="; the verifier's and the drafter's (docs/gpu.md)")

@@ -3,8 +3,9 @@
 
 Per DraftRound: releases, then context updates (a `reset` first drops what is held: the
 scheduler's resync after this process restarted), then one batched `draft` call; the blocks are
-streamed back one message per request. Seeded requests get their own random stream here, seeded
-apart from the verifier's (messages.DRAFTER_SEED_OFFSET). One lock: the model drafts one round at
+streamed back one message per request. A seeded request's drafts are keyed by its seed here as
+in the embedded engine (dspark.random_draws; the DRAFT purpose keeps them apart from the
+verifier's numbers). One lock: the model drafts one round at
 a time even if two schedulers are connected.
 """
 
@@ -68,7 +69,9 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
         for item in round_msg.requests:
             self._idle.touch(item.request_id)
             if item.request_id not in self._generators:
-                params = messages.sampling_from_pb(item.sampling, messages.DRAFTER_SEED_OFFSET)
+                # The verifier's seed: the drafter's uniforms are its own purpose (DRAFT) of the
+                # same key (dspark.random_draws), never the verifier's.
+                params = messages.sampling_from_pb(item.sampling)
                 self._generators[item.request_id] = params.generator()
             if not (0 <= item.anchor_token < self.vocab_size) or item.anchor_position < 0:
                 raise ValueError(f"{item.request_id}: anchor token or position out of range")

@@ -13,6 +13,7 @@ from dspark.models.draft_types import DraftRequest
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
 from dspark.models.drafter_io import load_drafter, read_checkpoint, save_drafter
+from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 
 V, D, HEADS, KV, HD, INTER, R, GAMMA = 24, 16, 4, 2, 8, 40, 6, 3
@@ -166,7 +167,7 @@ def test_hand_written_deepspec_checkpoint_loads_and_matches_reference(tmp_path, 
     model.append_context("r", features[:4], torch.arange(4))
     model.append_context("r", features[4:], torch.arange(4, 9))  # positions 7, 8 are masked
     block = model.draft([DraftRequest("r", 11, 7, SamplingParams(1.0),
-                                      torch.Generator().manual_seed(1))])[0]
+                                      CounterGenerator(1))])[0]
     logits, conf = reference_block(tensors, features, 11, 7, block.tokens.tolist(), rnn=head == "rnn")
     assert torch.allclose(block.probs.double(), torch.softmax(logits, -1), atol=1e-5)
     assert torch.allclose(block.confidences.double(), torch.sigmoid(conf), atol=1e-5)
@@ -231,7 +232,7 @@ def test_round_trip(tmp_path, head, reduced):
     features = torch.randn(6, len(TARGET_LAYERS) * D)
     for m in (model, loaded):
         m.append_context("r", features, torch.arange(6))
-    reqs = lambda: [DraftRequest("r", 3, 6, SamplingParams(1.0), torch.Generator().manual_seed(4))]
+    reqs = lambda: [DraftRequest("r", 3, 6, SamplingParams(1.0), CounterGenerator(4))]
     a, b = model.draft(reqs())[0], loaded.draft(reqs())[0]
     assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.probs, b.probs)
 

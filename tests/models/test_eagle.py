@@ -9,6 +9,7 @@ import torch
 from dspark.models.draft_types import DraftRequest
 from dspark.models.drafter_io import load_drafter, save_drafter
 from dspark.models.eagle import EagleDrafter, eagle_config
+from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 
 VOCAB, HIDDEN, GAMMA, M = 40, 32, 4, 2
@@ -57,7 +58,7 @@ def test_shapes_and_state_dict_names():
 def test_token_by_token_drafting_equals_the_ttt_forward():
     model = make_eagle()
     ids, feats = sequence(T=20)
-    gen = torch.Generator().manual_seed(3)
+    gen = CounterGenerator(3)
     length = 0
     for chunk in (4, 2, 1, 5):  # rounds: the context grows by each round's accepted tokens
         model.append_context("r", feats[0, length: length + chunk],
@@ -79,7 +80,7 @@ def test_first_positions_are_those_of_the_whole_block():
     model.append_context("r", feats[0, :9], torch.arange(9), ids[0, :9])
 
     def request():
-        return [DraftRequest("r", int(ids[0, 9]), 9, SamplingParams(1.0), torch.Generator().manual_seed(2))]
+        return [DraftRequest("r", int(ids[0, 9]), 9, SamplingParams(1.0), CounterGenerator(2))]
 
     whole = model.draft(request())[0]
     for n in (1, 3):
@@ -111,7 +112,7 @@ def test_greedy_and_sparse_drafts_are_exact():
     greedy = model.draft([DraftRequest("r", int(ids[0, 8]), 8, SamplingParams(0.0))])[0]
     assert torch.equal(greedy.tokens, teacher_forced(model, ids, feats, 8, greedy.tokens).argmax(-1))
     sparse = model.draft([DraftRequest("r", int(ids[0, 8]), 8, SamplingParams(0.8),
-                                       torch.Generator().manual_seed(0))], sparse_top_k=4)[0]
+                                       CounterGenerator(0))], sparse_top_k=4)[0]
     logits = teacher_forced(model, ids, feats, 8, sparse.tokens)
     values, indices = torch.topk(logits, 4, dim=-1)
     assert torch.equal(sparse.indices, indices)
@@ -144,7 +145,7 @@ def test_reduced_vocabulary_and_checkpoint_round_trip(tmp_path):
     for m in (model, loaded):
         m.append_context("r", feats[0, :8], torch.arange(8), ids[0, :8])
     req = lambda: [DraftRequest("r", int(ids[0, 8]), 8, SamplingParams(1.0),
-                                torch.Generator().manual_seed(5))]
+                                CounterGenerator(5))]
     a, b = model.draft(req())[0], loaded.draft(req())[0]
     assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.probs, b.probs)
     assert bool(torch.isin(a.tokens, draft_ids).all())

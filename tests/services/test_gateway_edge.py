@@ -98,7 +98,7 @@ def test_whatever_the_gateway_accepts_travels(temperature, top_p, top_k, seed, m
         assert e.status == 400
         return
     msg = messages.sampling_to_pb(spec.sampling)
-    assert messages.sampling_from_pb(msg, messages.DRAFTER_SEED_OFFSET).top_k == spec.sampling.top_k
+    assert messages.sampling_from_pb(msg).top_k == spec.sampling.top_k
 
 
 def test_prompt_text_is_bounded_before_tokenizing():

@@ -23,17 +23,28 @@ def generate(stack, prompt: list[int], max_tokens: int, temperature: float,
 
 
 def test_seed_reaches_the_verifier(stack):
-    """The first token is sampled at prefill from the verifier's own stream, seeded from the
-    request's seed: the same seed gives the same first token, different seeds differ. (Later
-    tokens also depend on how many drafts the admission verified, which depends on the rounds
-    before, so whole sampled outputs repeat only on an identically warmed-up scheduler.)"""
+    """The first token is sampled at prefill from numbers keyed by the request's seed
+    (dspark.random_draws): the same seed gives the same first token, and seeds whose first
+    uniform lies at either end of (0, 1) reach the tokens at either end of the distribution (the
+    tiny target puts almost all its mass on one token here). Whole seeded outputs repeat too:
+    test_seeded_repeats_through_services."""
+    import torch
+
+    from dspark.random_draws import Purpose, keyed_uniforms
+
+    prompt = [3, 9, 27]
+    candidates = torch.arange(20_000)
+    # The first token's uniform: NEXT at the prompt's last position, offset 0.
+    u = keyed_uniforms(candidates, torch.full_like(candidates, len(prompt) - 1),
+                       torch.zeros_like(candidates), Purpose.NEXT)
+    seeds = [int(candidates[u.argmin()]), int(candidates[u.argmax()]), 0, 1]
     firsts = {}
-    for seed in range(8):
-        a = generate(stack, [3, 9, 27], 1, temperature=1.0, seed=seed)
-        b = generate(stack, [3, 9, 27], 1, temperature=1.0, seed=seed)
+    for seed in seeds:
+        a = generate(stack, prompt, 1, temperature=1.0, seed=seed)
+        b = generate(stack, prompt, 1, temperature=1.0, seed=seed)
         assert a == b and len(a) == 1
         firsts[seed] = a[0]
-    assert len(set(firsts.values())) > 1
+    assert len(set(firsts.values())) > 1, firsts
 
 
 def test_greedy_and_sampled_requests_share_rounds(stack, embedded_greedy):

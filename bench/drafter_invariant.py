@@ -43,7 +43,8 @@ FLAT = CostTable.from_step_seconds({b: 0.05 for b in (1, 2, 4, 8, 16, 32, 64)})
 def run(runner, drafter, rule: VerificationRule, policy: str, prompts, temperature: float,
         max_tokens: int, max_running: int, stops) -> list:
     engine = Engine(TargetVerifier(runner, rule), drafter, FLAT,
-                    EngineConfig(policy=policy, max_running=max_running, update_cost_table=False))
+                    EngineConfig().with_values(
+                        policy=policy, max_running=max_running, update_cost_table=False))
     ids = [engine.add_request(p, SamplingParams(temperature=temperature, seed=i), max_tokens,
                               stops) for i, p in enumerate(prompts)]
     by_id = {r.request_id: r for r in engine.waiting}

@@ -55,7 +55,8 @@ def main() -> int:
     outputs = []
     for others in counts:
         engine = Engine(TargetVerifier(runner), drafter, TABLE,
-                        EngineConfig(policy=args.policy, max_running=8, update_cost_table=False))
+                        EngineConfig().with_values(
+                            policy=args.policy, max_running=8, update_cost_table=False))
         rid = engine.add_request(prompts[0], SamplingParams(temperature=1.0, seed=42),
                                  args.max_tokens)
         for p in prompts[1:1 + others]:

@@ -30,7 +30,7 @@ def embedded_seeded(tiny_models) -> list[int]:
     runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=4096)
     drafter = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.load(tiny_models.cost_table),
-                    EngineConfig(policy="async_topk", update_cost_table=False))
+                    EngineConfig().with_values(policy="async_topk", update_cost_table=False))
     done = engine.generate([PROMPT], SamplingParams(temperature=1.0, seed=SEED), MAX_TOKENS)
     return done[0].output_ids
 

@@ -63,7 +63,7 @@ def main() -> int:
             engine.add_request(p, SamplingParams(temperature=1.0), args.max_tokens + 16)
         tokens: list[int] = []
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 if out.request_id == rid:
                     tokens += out.new_token_ids
         outputs.append(tokens)

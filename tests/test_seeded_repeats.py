@@ -51,7 +51,7 @@ def seeded_output(engine, others: int, repeat: int) -> list[int]:
                            max_tokens=int(torch.randint(5, 60, (1,), generator=g)))
     tokens: list[int] = []
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == rid:
                 tokens += out.new_token_ids
     return tokens

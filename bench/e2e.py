@@ -1,4 +1,4 @@
-"""End-to-end speed benchmark (DESIGN.md section 10): output tokens/s of our engine with and without
+"""End-to-end speed benchmark (docs/design.md section 10): output tokens/s of our engine with and without
 drafters against transformers `generate` and prompt lookup, greedy and temperature 1.0, 1 and 8
 streams; markdown tables, the time breakdown of the engine rows, and one final JSON line.
 The code lives in `dspark/evaluation/speed.py` (also `dspark bench`, same flags). Usage:

@@ -6,7 +6,7 @@ table; only the transport differs. For each stream count, the embedded engine ge
 `--new-tokens` tokens for every stream (all submitted at once), then the stack does the same
 through gRPC `Generate` (one client thread per stream). Throughput = output tokens of all streams
 / wall time; per-user speed = a stream's tokens after its first / time from its first token to
-its last (median over streams). Ratios services/embedded are measured in the same run (DESIGN.md
+its last (median over streams). Ratios services/embedded are measured in the same run (docs/design.md
 section 9); the goal is >= 0.8 throughput at 16 streams. The "same" column checks that
 every stream's greedy tokens are identical on both sides.
 

@@ -13,7 +13,7 @@ For each dtype and stream count, in one run and taken in turns:
 
 GFLOP/s counts 2 x (decoder weights + LM head weights) per token that needs logits (attention's
 own products are left out, so the figure is what the weight products achieve). Ratios are measured
-in the same run (DESIGN.md section 9); the CPU model and its vector flags are printed beside them.
+in the same run (docs/design.md section 9); the CPU model and its vector flags are printed beside them.
 
 Prints markdown tables and ends with one JSON line. Usage:
     .venv/bin/python bench/target_decode.py [--streams 1,16,64,256] [--dtypes float32,bfloat16]

@@ -1,4 +1,4 @@
-"""Admission: how many draft tokens of each request to verify this round (DESIGN.md sections 2, 6, 12).
+"""Admission: how many draft tokens of each request to verify this round (docs/design.md sections 2, 6, 12).
 
 Glossary
 --------
@@ -6,7 +6,7 @@ Glossary
   so every request costs at least one batch token.
 - *draft tokens* ``x_1..x_gamma``: the drafter's block for a request; ``gamma`` = block size.
 - *confidence* ``c_{r,j}``: predicted P(x_j accepted | x_1..x_{j-1} accepted) for request r. It
-  depends on ``x_{j-1}`` but never on ``x_j`` (DESIGN.md section 3).
+  depends on ``x_{j-1}`` but never on ``x_j`` (docs/design.md section 3).
 - *candidate* ``(r, j)``: "verify request r's draft up to position j" (1-based j).
 - *survival* ``a_{r,j} = prod_{i<=j} c_{r,i}``: probability that r's prefix of length j is accepted;
   non-increasing in j, and exactly the expected tokens gained by extending ``l_r`` from j-1 to j.
@@ -36,7 +36,7 @@ Policies (:class:`PolicyKind`, parsed by :meth:`AdmissionPolicy.parse`)
   Theta curve (every admission count n, no early stop, so it climbs over saw-teeth of a staircase
   SPS) computed from step ``t - lag`` (lag = 2) candidates and the cost table as it stood then; step
   t then admits its top-K candidates by their *fresh* survival. K cannot depend on step t's tokens,
-  so no early stop is needed for losslessness (DESIGN.md section 6). :class:`AsyncTopKAdmission`
+  so no early stop is needed for losslessness (docs/design.md section 6). :class:`AsyncTopKAdmission`
   makes the lag structural: the K used at step t was computed by the call for step ``t - lag``.
   *Warm-up*: for the first ``lag`` steps (and after any gap in the step indices) there is no history;
   K is then the argmax of the Theta curve of a *prior* block in which every admissible position has
@@ -134,7 +134,7 @@ class AdmissionConfig:
     """Everything an :class:`Admitter` needs besides the cost table."""
 
     policy: AdmissionPolicy = AdmissionPolicy(PolicyKind.ASYNC_TOPK)
-    """Admission policy (DESIGN.md section 6); `none` = target only."""
+    """Admission policy (docs/design.md section 6); `none` = target only."""
     objective: ThetaObjective = ThetaObjective.SHARED_DEVICE
     """What admission maximises. SHARED_DEVICE (default): drafting and verification take turns
     on the same device, and a round whose K is 0 skips drafting, so a draft is verified only

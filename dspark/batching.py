@@ -1,5 +1,5 @@
 """Which requests run together: the waiting and running queues, the KV cache reservation that
-decides who may join, and preemption when the cache runs out (DESIGN.md section 5).
+decides who may join, and preemption when the cache runs out (docs/design.md section 5).
 
 Glossary
 - *waiting*: submitted, not yet holding a slot; *prefilling*: joined (they hold a slot) but their

@@ -1,6 +1,6 @@
 """Calibration of the drafter's confidences: Sequential Temperature Scaling (STS) and its metrics.
 
-Follows ../shared/DESIGN.md section 4 ("Sequential Temperature Scaling") and section 9 (ECE).
+Follows docs/design.md section 4 ("Sequential Temperature Scaling") and section 9 (ECE).
 
 Glossary
 - ``c_k``: raw confidence of draft position k (1-based in prose, column k-1 in arrays): the
@@ -90,7 +90,7 @@ def _check_1d_pair(pred: np.ndarray, other: np.ndarray, name: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Metrics (DESIGN.md section 9)
+# Metrics (docs/design.md section 9)
 
 
 def _bin_index(pred: np.ndarray, num_bins: int) -> np.ndarray:
@@ -469,7 +469,7 @@ class STSFitConfig:
     """How fit_sts searches temperatures."""
 
     num_bins: int = 15
-    """ECE bins (DESIGN.md section 9: 15)."""
+    """ECE bins (docs/design.md section 9: 15)."""
     t_min: float = 0.05
     """Smallest temperature of the coarse grid."""
     t_max: float = 20.0
@@ -590,7 +590,7 @@ def fit_sts(
     grid: Sequence[float] | None = None,
     shift: bool = False,
 ) -> STSCalibration:
-    """Sequential Temperature Scaling on a held-out set (DESIGN.md section 4).
+    """Sequential Temperature Scaling on a held-out set (docs/design.md section 4).
 
     c_raw: [num_samples, gamma] raw confidences. Outcomes: either survived [num_samples, gamma]
     bool (survived[:, k] = drafts 1..k+1 all accepted) or accepted_len [num_samples] in 0..gamma.

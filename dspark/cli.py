@@ -1,4 +1,4 @@
-"""The `dspark` command (DESIGN.md section 10).
+"""The `dspark` command (docs/design.md section 10).
 
 Each subcommand lives in its own module, which defines
 

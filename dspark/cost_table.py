@@ -1,4 +1,4 @@
-"""The cost table: target steps per second SPS(B) at B flattened batch tokens (DESIGN.md section 6).
+"""The cost table: target steps per second SPS(B) at B flattened batch tokens (docs/design.md section 6).
 
 Glossary
 --------
@@ -14,7 +14,7 @@ Glossary
   and verifies one after the other really pays per round), or the latter only for rounds that
   verify drafts (:attr:`ThetaObjective.SHARED_DEVICE`: a round with none skips drafting).
 
-Lookup rules (chosen so that the async global search sees the hardware as measured, DESIGN.md
+Lookup rules (chosen so that the async global search sees the hardware as measured, docs/design.md
 section 12: profiled tables are staircases, do not smooth them):
 - at a measured B: the measured step time, exactly;
 - between two measured points: :attr:`Interpolation.LINEAR` (default) interpolates the step time
@@ -108,7 +108,7 @@ class Interpolation(enum.Enum):
 
 
 class ThetaObjective(enum.Enum):
-    """What the admission policies maximise (DESIGN.md section 6)."""
+    """What the admission policies maximise (docs/design.md section 6)."""
 
     PAPER = "paper"
     """Theta = tau * SPS(B): drafting is overlapped with verification (or free)."""

@@ -1,4 +1,4 @@
-"""Whether a round drafts at all (async_topk, DESIGN.md section 6).
+"""Whether a round drafts at all (async_topk, docs/design.md section 6).
 
 With `async_topk` a round's K (its capacity: drafts it may verify) was decided two rounds
 earlier, so before drafting the engine knows whether any draft can be verified. The gate turns

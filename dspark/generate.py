@@ -1,4 +1,4 @@
-"""`dspark generate`: stream one generation from the embedded engine (DESIGN.md section 10).
+"""`dspark generate`: stream one generation from the embedded engine (docs/design.md section 10).
 
 Only the generated text goes to stdout (streamed as it is produced); logs and `--stats` go to
 stderr. The target is the prepared SmolLM2 unless `--model-dir` says otherwise (prepared on first

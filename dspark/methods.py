@@ -1,7 +1,7 @@
 """The drafting methods, in one registry: what kind of drafter each trains (`DrafterKind`, the
 `--method` of `dspark train`) and the evaluated methods (`METHODS`, the `--methods` of
 `dspark eval` and the engine rows of `dspark bench`): which checkpoint folder each loads, which
-kind of drafter that folder holds, and how many of its drafts the target verifies (DESIGN.md
+kind of drafter that folder holds, and how many of its drafts the target verifies (docs/design.md
 section 8).
 
 Glossary

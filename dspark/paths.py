@@ -3,7 +3,7 @@
 The package runs from its checkout (`pip install -e .`), so these are paths inside it; services,
 the CLI and the benchmarks take them as defaults that a flag can override.
 
-The shared folder (`data/eval`, `data/train`, `DESIGN.md`) is not part of the repository: it
+The shared folder (`data/eval`, `data/train`) is not part of the repository: it
 stands beside the checkout as `../shared`, or wherever the environment variable
 `DSPARK_SHARED_DIR` says (a checkout placed elsewhere, e.g. a clone under /tmp).
 """

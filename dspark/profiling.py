@@ -1,4 +1,4 @@
-"""`dspark profile`: measure the target's steps per second SPS(B) (DESIGN.md section 6).
+"""`dspark profile`: measure the target's steps per second SPS(B) (docs/design.md section 6).
 
 For each flattened batch size B = 1..max_batch, B new tokens are spread as evenly as possible
 over min(B, requests) requests that each hold `context_len` tokens of KV cache (a verification

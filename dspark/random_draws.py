@@ -10,7 +10,7 @@ generator behind cuRAND and JAX) of a counter that names what it is for:
     key     = the request's 64-bit seed (CounterGenerator.seed)
     counter = (offset, position low 32 bits, position high 32 bits, purpose)
 
-Purposes (`Purpose`) and their keys, for a round whose anchor x0 sits at position n (DESIGN.md
+Purposes (`Purpose`) and their keys, for a round whose anchor x0 sits at position n (docs/design.md
 section 5; the anchor is the last token produced, the KV cache holds n tokens before it):
 - DRAFT  (n, k): the drafter's uniform for x_k, k = 1..gamma (inverse-CDF sampling);
 - ACCEPT (n, k): the accept test of x_k, k = 1..l_r;

@@ -1,4 +1,4 @@
-"""Lossless verification: batched rejection sampling with a bonus token (DESIGN.md section 5).
+"""Lossless verification: batched rejection sampling with a bonus token (docs/design.md section 5).
 
 Glossary
 - anchor token x0: the last token already produced; the target sees it first in every round.
@@ -95,7 +95,7 @@ class VerificationRule(str, Enum):
     """How a sampled request's drafts are accepted (greedy requests: the token rule always)."""
 
     TOKEN = "token"
-    """Token by token, stopping at the first rejection (DESIGN.md section 5)."""
+    """Token by token, stopping at the first rejection (docs/design.md section 5)."""
     BLOCK = "block"
     """The accepted prefix of the whole block at once (dspark.block_verification)."""
     DRAFTER_INVARIANT = "drafter-invariant"
@@ -417,7 +417,7 @@ def _verify_sampled_blocks(batch: VerifyBatch, draws: RandomDraws, sampled: torc
 
 def verify_reference(batch: VerifyBatch, draws: RandomDraws,
                      rule: VerificationRule = VerificationRule.TOKEN) -> VerifyResult:
-    """Slow, obviously-correct per-request loop: DESIGN.md section 5 read literally (a sampled
+    """Slow, obviously-correct per-request loop: docs/design.md section 5 read literally (a sampled
     request under the block rule: `block_verify_reference` on that request alone)."""
     if rule is VerificationRule.DRAFTER_INVARIANT:
         from dspark.gumbel_verification import verify_invariant_reference

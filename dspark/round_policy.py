@@ -1,4 +1,4 @@
-"""The admission policy as a round sees it: one object per `PolicyKind` (DESIGN.md section 6).
+"""The admission policy as a round sees it: one object per `PolicyKind` (docs/design.md section 6).
 
 Each round the engine asks its policy:
 1. `plan(running_ids, gamma, reads_prompt, load) -> RoundPlan`: what the round does before

@@ -1,4 +1,4 @@
-"""Sampling parameters and the distribution they define (DESIGN.md section 5).
+"""Sampling parameters and the distribution they define (docs/design.md section 5).
 
 Temperature, top-k and top-p turn the target's logits into the distribution that speculative
 decoding must preserve exactly: the verifier accepts and resamples against *this* distribution,

@@ -1,13 +1,13 @@
 """How many drafts a seeded request verifies, from its own confidences only.
 
-A seeded request must give the same tokens every time it is sent (issue 55). Its random numbers
+A seeded request must give the same tokens every time it is sent. Its random numbers
 are keyed by its seed and its rounds' anchors (dspark.random_draws), so it repeats as long as
 its rounds do: as long as the number of drafts l each of its rounds verifies depends on its own
 prefix and seed only. `fixed:N`, `threshold:H` and `none` decide per request already; `async_topk`
 and `sync_greedy` decide from the whole batch, the cost table and (async_topk) the confidences of
 two steps before, all of which change with the crowd and the clock. For a seeded request under
 those two, the engine replaces its l by `seeded_lengths`: the same greedy rule as sync_greedy
-(Algorithm 1, DESIGN.md section 6) on the request alone, against a fixed cost model instead of
+(Algorithm 1, docs/design.md section 6) on the request alone, against a fixed cost model instead of
 the measured one.
 
 The rule: with survival a_j = prod_{i<=j} c_i, a round of l drafts yields 1 + S_l tokens in
@@ -18,7 +18,7 @@ expectation (S_l = a_1 + .. + a_l) and costs `base + per_draft * l` target steps
 
 and stop at the first j where it does not. The test at j reads a_1..a_j, which depend on the
 drafts x_1..x_{j-1} only, never on x_j, and nothing after the first failure is looked at: the
-rule is non-anticipating, hence lossless (DESIGN.md section 6).
+rule is non-anticipating, hence lossless (docs/design.md section 6).
 
 Unseeded requests keep the policy's decision; the drafting gate is not consulted while a seeded
 request runs (it would skip drafting for timing reasons), and every position of the block is
@@ -43,7 +43,7 @@ class SeededCostModel:
     """A round's cost in target steps of one token: `base + per_draft * l`. Fixed numbers, not a
     measurement, so that the decision repeats on any machine and at any load. The defaults:
     drafting a block costs about a seventh of a target step and each verified draft about 2% of
-    one on the CPU target (DESIGN.md section 11: 8 verified tokens cost about 1.15 steps)."""
+    one on the CPU target (docs/design.md section 11: 8 verified tokens cost about 1.15 steps)."""
 
     base: float = 1.15
     per_draft: float = 0.02

@@ -1,6 +1,6 @@
 """Timing the target's forward at chosen flattened batch sizes: the measurement behind
 `dspark profile` and the quick start-up cost table SPS(B) that `dspark generate`, the verifier
-service and the benchmarks take when none is given (DESIGN.md section 6)."""
+service and the benchmarks take when none is given (docs/design.md section 6)."""
 
 from __future__ import annotations
 

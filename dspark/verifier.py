@@ -1,4 +1,4 @@
-"""The verifier component: the target model plus lossless verification (DESIGN.md sections 5, 7).
+"""The verifier component: the target model plus lossless verification (docs/design.md sections 5, 7).
 
 It owns the target runner (and so every request's KV cache) and offers the engine three calls:
 - `prefill`: run prompts, sample each request's first token from the target, and return the

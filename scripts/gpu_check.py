@@ -1,4 +1,4 @@
-"""The prepared device check (issue 53, item 5): DSpark on one GPU, measured in two runs.
+"""The prepared device check: DSpark on one GPU, measured in two runs.
 
 Run 1 (`--run 1`): the environment (device, torch, CUDA, transformers, triton), the payload's
 digests against its manifest (`--manifest`, sha256 per file), and a smoke round: the engine on a

@@ -152,7 +152,7 @@ def _pack(out, staging, target_dir, drafter_dir, prompts, gguf, wheels, chunk_by
     files.append(("prompts.jsonl", staging / "prompts.jsonl"))
     files += [(f"wheels/{w.name}", w) for w in wheels]
 
-    # Cut large files into chunks; small files first, so that part 1 holds everything run 1 needs.
+    # Cut large files into chunks; small files first, so that part1 holds everything run 1 needs.
     pieces: list[tuple[str, Path, int, int]] = []  # (payload path, source, offset, size)
     joined = {}
     for rel, src in files:
@@ -250,7 +250,7 @@ def stash(part_dir: Path, stash_dir: Path = DEFAULT_STASH) -> dict:
 
 
 def join_complete(stash_dir: Path, manifest: dict) -> tuple[list[str], list[str]]:
-    """Join every chunked file whose chunks are all here (a drafter carried whole in part 1 is
+    """Join every chunked file whose chunks are all here (a drafter carried whole in part1 is
     ready for run 1); returns the files joined and those whose digest differs."""
     joined, bad = [], []
     for rel, spec in manifest["joined"].items():

@@ -1,1 +1,1 @@
-"""The three DSpark services (DESIGN.md section 7): thin gRPC/REST wrappers around dspark."""
+"""The three DSpark services (docs/design.md section 7): thin gRPC/REST wrappers around dspark."""

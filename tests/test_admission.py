@@ -46,7 +46,7 @@ def reference_survival(c: np.ndarray) -> np.ndarray:
 
 
 def reference_theta(a: np.ndarray, lengths, table: CostTable, objective=ThetaObjective.PAPER) -> float:
-    """Theta of one length vector, from the definitions of DESIGN.md section 6."""
+    """Theta of one length vector, from the definitions of docs/design.md section 6."""
     num_requests = a.shape[0]
     tau = num_requests + sum(float(a[r, :l].sum()) for r, l in enumerate(lengths))
     batch = num_requests + int(sum(lengths))

@@ -1,5 +1,5 @@
 """Tests of dspark/calibration.py: metrics against slow references, STS on synthetic data with known
-true probabilities (DESIGN.md sections 4 and 9)."""
+true probabilities (docs/design.md sections 4 and 9)."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""The paper's Appendix A counterexample, end to end (DESIGN.md section 6).
+"""The paper's Appendix A counterexample, end to end (docs/design.md section 6).
 
 drafting -> admission -> lossless rejection sampling (dspark.rejection.verify), 10^5 seeded rounds.
 

@@ -1,6 +1,6 @@
 """The device check's payload (scripts/gpu_payload.py through scripts/gpu_check.py) rehearsed on
 the CPU with the tiny models: `pack` cuts the target into parts that each fit the size bound,
-every file's sha256 in the manifest; `run1` on part 1, `stash` on the middle parts and `run2` on
+every file's sha256 in the manifest; `run1` on part1, `stash` on the middle parts and `run2` on
 the last part gather the parts in one folder, check the digests, join the chunks and run every
 check; a corrupted file, a part missing from the machine and a payload over the bound fail."""
 

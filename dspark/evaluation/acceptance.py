@@ -1,4 +1,4 @@
-"""Acceptance figures of a drafter against its target (DESIGN.md section 9).
+"""Acceptance figures of a drafter against its target (docs/design.md section 9).
 
 Generation runs through the embedded engine with a fixed verification length (no scheduler:
 the paper's offline evaluation, section 4.2), and an observer on the engine records every round.

@@ -1,9 +1,9 @@
-"""`dspark calibrate`: fit STS on the held-out split and store it beside the drafter (DESIGN.md section 4).
+"""`dspark calibrate`: fit STS on the held-out split and store it beside the drafter (docs/design.md section 4).
 
 The drafter generates answers to the held-out prompts of the training data file (records with
 `split == "heldout"`, never trained on) with full-block verification (`fixed:gamma`); every full
 round gives the raw confidences c_1..c_gamma and the observed prefix survival. Sequential
-Temperature Scaling (DESIGN.md section 4, `dspark.calibration.fit_sts`) is fitted on them and
+Temperature Scaling (docs/design.md section 4, `dspark.calibration.fit_sts`) is fitted on them and
 written to `calibration.json` in the checkpoint folder, where `load_method_drafter(...,
 apply_calibration=True)` (and so inference) picks it up. stdout: the before/after table; a
 reliability diagram `reliability.png` is written beside the checkpoint.

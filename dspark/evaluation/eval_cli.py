@@ -1,4 +1,4 @@
-"""`dspark eval`: acceptance figures per method on a prompt file (DESIGN.md sections 9-10).
+"""`dspark eval`: acceptance figures per method on a prompt file (docs/design.md sections 9-10).
 
 Every method drafts and the target verifies a fixed number of drafts per round (the full block,
 or one draft for the MTP-1-like baseline): raw draft quality, with no scheduler, as in the paper's

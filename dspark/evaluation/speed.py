@@ -1,5 +1,5 @@
 """`dspark bench` (and `bench/e2e.py`, the same flags): the end-to-end speed benchmark, output
-tokens/s of whole generations (DESIGN.md sections 9-10).
+tokens/s of whole generations (docs/design.md sections 9-10).
 
 Rows (`--methods`, in this order):
 - `target`: our engine with policy `none` (no drafter): the baseline every ratio is taken against;
@@ -33,7 +33,7 @@ another (said in the table).
 Speed = output tokens (stop token included) / wall seconds of the waves, prefill included;
 the macro average is the mean over datasets of each dataset's tokens/s. The rows take turns wave by
 wave, so a load change on the shared machine hits every row alike, and every ratio is against the
-target-only row of the same (temperature, concurrency) run (DESIGN.md 9: compare as ratios).
+target-only row of the same (temperature, concurrency) run (docs/design.md 9: compare as ratios).
 
 Time breakdown of the engine rows (sums over the timed waves of the steps' `RoundStats.seconds`):
 - prefill: target forward over the prompts and the first token (a prompt chunk that rides in a

@@ -2,7 +2,7 @@
 `Drafter` interface every drafter follows (DSpark, DFlash, Eagle-style), and the teacher-forced
 training outputs.
 
-Glossary (DESIGN.md section 3)
+Glossary (docs/design.md section 3)
 - anchor x_0: the last token already produced (the previous round's bonus token), at position a.
   Its target features do not exist yet, so the block drafted after it sees only context
   positions < a.

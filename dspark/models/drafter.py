@@ -1,4 +1,4 @@
-"""The DSpark drafter: a parallel backbone plus a tiny sequential head (DESIGN.md section 3).
+"""The DSpark drafter: a parallel backbone plus a tiny sequential head (docs/design.md section 3).
 
 Glossary
 - target features: hidden states of m chosen target layers l_1..l_m for every context token,
@@ -115,7 +115,7 @@ class FrozenTargetHead(nn.Module):
 
 
 class DSparkDrafter(FrozenTargetHead):
-    """DFlash-style parallel backbone + sequential head + confidence head (DESIGN.md section 3).
+    """DFlash-style parallel backbone + sequential head + confidence head (docs/design.md section 3).
 
     Parameters carry DeepSpec's tensor names (see `dspark.models.drafter_io`). The target's
     embedding and LM head are frozen buffers set with `set_target_weights`.

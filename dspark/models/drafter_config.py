@@ -1,6 +1,6 @@
 """Typed configuration of the drafters, read from and written to a DeepSpec-compatible config.json.
 
-DESIGN.md section 3. The reference implementation (DeepSeek's DeepSpec, MIT) builds a drafter's
+docs/design.md section 3. The reference implementation (DeepSeek's DeepSpec, MIT) builds a drafter's
 config.json as a deep copy of the *target's* config with the drafter's fields added on top:
 `architectures=["Qwen3DSparkModel"]`, `block_size`, `mask_token_id`, `target_layer_ids`,
 `markov_rank`, `markov_head_type`, `num_hidden_layers` (the drafter's depth),

@@ -1,6 +1,6 @@
 """Drafter checkpoints: a folder with config.json and safetensors in DeepSpec's tensor names.
 
-DESIGN.md section 3; the layout of DeepSeek's DeepSpec (MIT), so that its released DSpark
+docs/design.md section 3; the layout of DeepSeek's DeepSpec (MIT), so that its released DSpark
 checkpoints load here and ours load there:
 
     config.json            the target's config + the drafter fields (see drafter_config)

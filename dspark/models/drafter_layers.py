@@ -1,5 +1,5 @@
 """The drafter's Qwen3-style layers: attention that takes the context as extra keys and values,
-the SiLU-gated MLP, and the pre-norm layer around them (DESIGN.md section 3).
+the SiLU-gated MLP, and the pre-norm layer around them (docs/design.md section 3).
 
 Glossary
 - H_ctx: the context tokens' target features fused to the drafter's width,

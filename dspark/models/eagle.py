@@ -1,4 +1,4 @@
-"""Eagle-style autoregressive drafter: the paper's Eagle3 comparison (DESIGN.md section 8).
+"""Eagle-style autoregressive drafter: the paper's Eagle3 comparison (docs/design.md section 8).
 
 Glossary (EAGLE / EAGLE-3 conventions)
 - fused feature g_j = fc([H^(l1)_j; ...; H^(lm)_j]): the target's features of position j, fused by

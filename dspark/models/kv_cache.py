@@ -10,7 +10,7 @@ Glossary
 `BlockManager` does the accounting (pure Python, no tensors but the slot indices it hands out);
 `PagedKVCache` adds the K/V storage. Growing is all-or-nothing: if the free blocks cannot cover a
 whole batch, `KVCacheFull` is raised and nothing changed, so the caller can make a request wait
-or refuse it. Truncating (dropping rejected drafts, DESIGN.md section 5) returns the blocks that
+or refuse it. Truncating (dropping rejected drafts, docs/design.md section 5) returns the blocks that
 are no longer needed to the free list.
 
 Placement. Any free block can serve any request (that is what makes the cache paged), but which

@@ -1,4 +1,4 @@
-"""`TargetRunner`: the verifier's engine (DESIGN.md sections 5 and 7).
+"""`TargetRunner`: the verifier's engine (docs/design.md sections 5 and 7).
 
 Glossary
 - *request*: one sequence with its own KV cache blocks; identified by any hashable id.

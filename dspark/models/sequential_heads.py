@@ -1,4 +1,4 @@
-"""The drafter's sequential heads and its confidence head (DESIGN.md section 3).
+"""The drafter's sequential heads and its confidence head (docs/design.md section 3).
 
 Glossary
 - base logits U_k = lm_head(norm(h_k)): what the parallel backbone predicts for block position k

@@ -1,4 +1,4 @@
-"""The decoder forward pass over a flattened batch (DESIGN.md section 5, "Variable lengths").
+"""The decoder forward pass over a flattened batch (docs/design.md section 5, "Variable lengths").
 
 Glossary
 - *flattened batch*: the new tokens of all requests in one sequence [num_tokens]; request r owns

@@ -1,4 +1,4 @@
-"""`dspark up`: the whole service stack as local processes on loopback (DESIGN.md section 10).
+"""`dspark up`: the whole service stack as local processes on loopback (docs/design.md section 10).
 
 Starts the verifier, then the drafter (when there is a drafter checkpoint), then the scheduler,
 each as its own `python -m services.<name>` process, waits until each answers its health check,

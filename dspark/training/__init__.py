@@ -1,1 +1,1 @@
-"""Drafter training: losses (DESIGN.md section 4) and the online-teacher training loop."""
+"""Drafter training: losses (docs/design.md section 4) and the online-teacher training loop."""

@@ -1,4 +1,4 @@
-"""`dspark data generate`: the target answers the training prompts itself (DESIGN.md section 4).
+"""`dspark data generate`: the target answers the training prompts itself (docs/design.md section 4).
 
 The drafter must learn the target's behaviour, so its training answers are the target's own,
 sampled with the chat template at temperature 0.7, top-p 0.8, top-k 20 through our target runner,

@@ -1,4 +1,4 @@
-"""The drafter's training losses (DESIGN.md section 4, the paper's eqs. 8-12).
+"""The drafter's training losses (docs/design.md section 4, the paper's eqs. 8-12).
 
 Glossary
 - block position k = 1..gamma of a training block; its draft distribution p^d_k comes from the

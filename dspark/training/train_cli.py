@@ -1,4 +1,4 @@
-"""`dspark train`: train a drafter with the frozen target as an online teacher (DESIGN.md s. 4).
+"""`dspark train`: train a drafter with the frozen target as an online teacher (docs/design.md s. 4).
 
 Example (the shipped DSpark drafter's recipe is in docs once trained):
 

@@ -1,4 +1,4 @@
-"""The DSpark drafter (DESIGN.md section 3): masks, incremental context, heads, exact sampling."""
+"""The DSpark drafter (docs/design.md section 3): masks, incremental context, heads, exact sampling."""
 
 from __future__ import annotations
 

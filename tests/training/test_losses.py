@@ -1,4 +1,4 @@
-"""The three drafter losses (DESIGN.md section 4) against a slow, loop-by-loop reference."""
+"""The three drafter losses (docs/design.md section 4) against a slow, loop-by-loop reference."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def run_loop(runner: TargetRunner, prompts: list[list[int]], stops: list[int], a
         step_passes.append((kind, len(items), time.perf_counter() - start))
         return out
 
-    def count_passes(step_seconds: float, counted: bool, result: StepResult) -> None:
+    def count_passes(step_seconds: float, counted: bool, step: StepResult) -> None:
         for kind, rows, seconds in step_passes if counted else ():
             times = result.passes[kind]
             times.count, times.rows, times.seconds = times.count + 1, times.rows + rows, times.seconds + seconds

@@ -32,6 +32,14 @@ EXEMPT = {
                    "stack it times",
     "loadtest_paired.py": "two service stacks under Locust; tests/loadtest/test_paired.py runs it "
                           "with `--tiny`",
+    "drafter_invariant.py": "tau of two rules on the real model and the shipped drafter; the rule "
+                            "is tested in tests/test_rejection.py and tests/test_seeded_repeats.py",
+    "seeded_repeat.py": "the real model beside other requests; tests/test_seeded_repeats.py runs "
+                        "the same check on the tiny target",
+    "q4_linear.py": "times the block kernel on the real model's GGUF layer shapes; "
+                    "tests/models/test_block_linear.py tests the kernel",
+    "q4_decode_interleaved.py": "decode steps of the real model's GGUF blocks; "
+                                "tests/models/test_runner_q4_smollm2.py tests q4 decoding",
 }
 
 

@@ -137,7 +137,8 @@ def test_speculation_equals_target_only(runner, prompts, expected, hf, policy):
     verifier = TargetVerifier(runner)
     outs = {}
     for p in ("none", policy):
-        engine = Engine(verifier, drafter, COST_TABLE, EngineConfig(policy=p, max_running=4, update_cost_table=False))
+        engine = Engine(verifier, drafter, COST_TABLE, EngineConfig().with_values(
+            policy=p, max_running=4, update_cost_table=False))
         finished = engine.generate(prompts, SamplingParams(temperature=0.0), max_tokens=NEW_TOKENS,
                                    stop_token_ids=[tokenizer.eos_token_id])
         outs[p] = [list(r.output_ids) for r in finished]

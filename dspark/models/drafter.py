@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.context_kv_cache import ContextKVCache, RequestContext
-from dspark.models.draft_sampling import (assemble_blocks, draw_uniforms, plan_rows,
+from dspark.models.draft_sampling import (assemble_blocks, draft_uniforms, plan_rows,
                                           position_noise, sample_block_position)
 from dspark.models.draft_types import (BlockTrainOutputs, DraftBlock, DraftRequest,
                                        positions_to_draft)
@@ -385,7 +385,7 @@ class DSparkDrafter(FrozenTargetHead):
         base = self.base_logits(hn)  # [R, n, V_d]
 
         plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
-        uniforms = None if plan.all_greedy else draw_uniforms(requests, gamma, device)  # [R, gamma]
+        uniforms = None if plan.all_greedy else draft_uniforms(requests, gamma, device)  # [R, gamma]
         reduced = cfg.draft_vocab_size is not None
         target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
                       else torch.arange(self.draft_vocab_size, device=device))

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from dspark.evaluation import speed
-from dspark.calibration import CALIBRATION_FILENAME, STSCalibration
+from dspark.calibration.sts_map import CALIBRATION_FILENAME, STSCalibration
 from dspark.models.drafter_io import save_drafter
 from loadtest.tiny_models import GAMMA
 

@@ -40,7 +40,7 @@ from dspark.models.sequential_heads import ConfidenceHead, MarkovHead, RNNHead
 from dspark.models.transformer import RMSNorm
 
 if TYPE_CHECKING:
-    from dspark.calibration import CalibrationSet
+    from dspark.calibration.sts_map import CalibrationSet
 
 
 class FrozenTargetHead(nn.Module):
@@ -183,7 +183,7 @@ class DSparkDrafter(FrozenTargetHead):
         self._calibration_sampling_temps = []
 
     def set_confidence_calibration(self, calibration: CalibrationSet) -> None:
-        """STS fits per sampling temperature (dspark.calibration.CalibrationSet): each request's
+        """STS fits per sampling temperature (dspark.calibration.sts_map.CalibrationSet): each request's
         confidences use the fit of the sampling temperature nearest its own."""
         if calibration.gamma != self.gamma:
             raise ValueError(f"calibration has gamma={calibration.gamma}, the drafter {self.gamma}")

@@ -162,11 +162,15 @@ class TargetVerifier:
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
                 generators: Sequence[CounterGenerator | None],
-                logprobs: Sequence[int | None] | None = None) -> PrefillOutput:
-        """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks)."""
+                logprobs: Sequence[int | None] | None = None,
+                prompt_lengths: Sequence[int | None] | None = None) -> PrefillOutput:
+        """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks);
+        `prompt_lengths`: per request as PrefillChunk.prompt_length (None: all prompts)."""
         logprobs = [None] * len(request_ids) if logprobs is None else logprobs
-        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k)
-                  for rid, p, s, g, k in zip(request_ids, prompts, sampling, generators, logprobs)]
+        prompt_lengths = [None] * len(request_ids) if prompt_lengths is None else prompt_lengths
+        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k, prompt_length=n)
+                  for rid, p, s, g, k, n in zip(request_ids, prompts, sampling, generators,
+                                                logprobs, prompt_lengths)]
         out = self.verify([], chunks).prefill
         return PrefillOutput([int(t) for t in out.first_tokens], out.features, out.logprobs)
 

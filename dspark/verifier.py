@@ -28,17 +28,16 @@ A `verify` call is three steps around the target forward:
    returned or held, log-probabilities and the chunks' outputs gathered into a `VerifyOutput`.
 
 Where the target's logits become its distributions: `target_rows`, one step between the forward
-and rejection sampling (dspark.logits_processing: vLLM's logit_bias, min_tokens and penalties
-are applied there, on a copy). It takes the forward's logit rows [num_verify_rows + num_final_chunks,
+and rejection sampling. It takes the forward's logit rows [num_verify_rows + num_final_chunks,
 vocab_size] and the `PackedRound` (per request: its id, sampling parameters, anchor position and
 admitted drafts; per final chunk: its request and prompt length) and returns the rows that
 rejection sampling and first-token sampling turn into p^t through each request's sampling
-transform (dspark.sampling.probs_from_logits). Per-request logits processing (penalties,
-logit_bias, min_tokens, grammar masks) belongs there: row j of request r is the target's
-prediction after r's committed tokens, its anchor and its drafts x_1..x_j. Processing that
-depends on what a request has produced keeps that state across rounds; `commit` is where each
-request's committed output is known (`VerifyOutput.output_tokens`: the accepted drafts, then the
-recovered or bonus token, the next round's anchor), so that state is updated there.
+transform (dspark.sampling.probs_from_logits). Per-request logits processing
+(dspark.logits_processing: vLLM's logit_bias, min_tokens and penalties, and any RowProcessor
+plugged in) is applied there, on a copy: row j of request r is the target's prediction after
+r's tokens, its anchor and its drafts x_1..x_j. Its state follows the KV cache: `observe_forward`
+feeds it what the forward read (chunk tokens, each anchor) before `target_rows`, and `commit`
+the accepted drafts (the recovered or bonus token is the next round's anchor).
 Log-probabilities (dspark.logprobs) read the forward's logits as they came.
 
 Positions: a request whose KV cache holds n tokens has its anchor at position n. A round feeds

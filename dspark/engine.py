@@ -350,8 +350,8 @@ class Engine:
         """What this round does before verification (the policy decides from old rounds, the
         load and which requests run); a round that drafts nothing records its K (0) here."""
         if self.speculative and gate_bypassed(self.config.admission.policy.kind,
-                                              [r.generator.seeded for r in running]):
-            return RoundPlan(RoundMode.DRAFT)  # a seeded request's rounds ignore timing
+                                              [r.must_repeat for r in running]):
+            return RoundPlan(RoundMode.DRAFT)  # a seeded sampled request's rounds ignore timing
         plan = self.policy.plan([r.request_id for r in running], gamma, reads_prompt,
                                 self.batcher.load)
         if plan.mode in (RoundMode.SKIP, RoundMode.PLAIN_CHECK):
@@ -368,7 +368,7 @@ class Engine:
         drafted = running if sample is None else [running[i] for i in sample]
         start = time.perf_counter()
         self._held.take([r.request_id for r in drafted], self.verifier, self.drafter)
-        seeded = [r.generator.seeded for r in running]
+        seeded = [r.must_repeat for r in running]
         kind = self.config.admission.policy.kind
         num_positions = (gamma if gate_bypassed(kind, seeded)
                          else self.policy.positions_to_draft(gamma))

@@ -52,6 +52,12 @@ class Request:
     before the anchor) and samples nothing; it runs again from its anchor."""
 
     @property
+    def must_repeat(self) -> bool:
+        """Sampled with a seed: its rounds must depend on its own prefix and seed only
+        (dspark.seeded_admission). A greedy request repeats whatever its rounds, seed or not."""
+        return self.generator.seeded and self.sampling.temperature > 0
+
+    @property
     def anchor_position(self) -> int:
         """Position of the last produced token (the anchor): the target holds everything before."""
         return len(self.prompt_ids) + len(self.output_ids) - 1

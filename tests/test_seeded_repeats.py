@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark.cost_table import CostTable
 from dspark.rejection import VerificationRule
 from dspark.sampling import SamplingParams
 from loadtest.tiny_models import VOCAB
@@ -90,3 +91,21 @@ def test_drafter_invariant_rule_gives_target_only_decoding(varied_target, others
         for drafter_seed in (0, 1):  # two different (untrained) drafters
             engine = make_engine(folder, policy, seed=drafter_seed, rule=rule)
             assert seeded_output(engine, others, drafter_seed) == reference, policy
+
+
+
+def test_a_seed_on_a_greedy_request_leaves_async_topk_its_own_decisions(varied_target):
+    """Greedy output depends on no random number, so a seed on a greedy request must not put it
+    on the seeded path (whole blocks drafted, the drafting gate bypassed). With a cost table
+    under which no draft pays, async_topk verifies none for the greedy request, seeded or not,
+    while a seeded sampled request still verifies its own confidences' drafts."""
+    steep = CostTable.from_step_seconds({b: 0.01 * b for b in (1, 2, 4, 8, 16, 32, 64)})
+
+    def drafts_verified(sampling: SamplingParams) -> int:
+        engine = make_engine(varied_target, "async_topk", seed=0, table=steep)
+        engine.add_request(PROMPT, sampling, max_tokens=MAX_TOKENS)
+        return sum(result.stats.drafts_admitted for result in engine.steps())
+
+    assert drafts_verified(SamplingParams(temperature=0.0)) == 0
+    assert drafts_verified(SamplingParams(temperature=0.0, seed=1234)) == 0
+    assert drafts_verified(SEEDED) > 0

@@ -23,7 +23,7 @@ Rows (`--methods`, in this order):
 A row whose drafter checkpoint is missing is reported as missing.
 
 Workload: the first turn of the first prompts of each eval file (gsm8k, humaneval, mt-bench) under
-the chat template; greedy and temperature 1.0 (each request its own seed); generation stops at EOS
+the chat template; greedy and temperature 1.0 (unseeded requests; `--seed` fixes torch's stream they draw from); generation stops at EOS
 / end of turn or `--max-tokens`. Concurrency C: the prompts of a dataset run in waves of C streams
 submitted together (C = 1: requests one after another). Each dataset contributes C * ceil(limit / C)
 prompts at concurrency C, so every wave is full. transformers peers run a wave as one batched

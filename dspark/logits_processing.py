@@ -63,7 +63,9 @@ ProcessorFactory = Callable[[SamplingParams, int, torch.device], "RowProcessor |
 class PenaltyProcessor:
     """vLLM's min_tokens, logit_bias and repetition / frequency / presence penalties of one
     request, from the tokens it has observed (kept on the device: seen [V] bool, output counts
-    [V] float32; the number of output tokens on the host)."""
+    [V] float32 and the ids seen so far [num_seen]; the number of output tokens on the host).
+    The penalties touch only the columns of tokens seen (prompt, output, the round's drafts):
+    [rows, num_seen] work instead of [rows, V] (a device read per round for their ids)."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device) -> None:
         self.params = params
@@ -82,6 +84,7 @@ class PenaltyProcessor:
         self.penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                           or params.presence_penalty != 0.0)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)  # [V]
+        self.seen_ids = torch.zeros(0, dtype=torch.int64, device=self.device)  # [num_seen] sorted
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float32,
                                          device=self.device)  # [V]
         self.num_output = 0
@@ -98,6 +101,7 @@ class PenaltyProcessor:
             return
         ids = torch.tensor(list(tokens), dtype=torch.int64).to(self.device, non_blocking=True)
         self.seen[ids] = True
+        self.seen_ids = self.seen.nonzero().squeeze(1)  # [num_seen] ascending
         if output:
             self.output_counts.index_add_(0, ids, torch.ones(ids.shape[0], device=self.device))
 
@@ -113,25 +117,33 @@ class PenaltyProcessor:
             logits.index_add_(1, self.bias_ids, self.bias_values.expand(num_rows, -1))
         if not self.penalised:
             return
-        counts = self.output_counts.expand(num_rows, -1)  # [R, V]
-        if drafts:  # row j also counts drafts[:j]: (row, token) pairs j > k for draft k
+        ids = self.seen_ids  # [K] the columns a penalty can touch, ascending
+        if drafts:
+            draft_ids = torch.tensor(list(drafts), dtype=torch.int64).to(self.device,
+                                                                         non_blocking=True)
+            ids = torch.cat([ids, draft_ids]).unique()  # [K] ascending
+        counts = self.output_counts[ids].expand(num_rows, -1)  # [R, K]
+        if drafts:  # row j also counts drafts[:j]: (row, draft) pairs j > k for draft k
             rows = [j for k in range(len(drafts)) for j in range(k + 1, num_rows)]
-            cols = [t for k, t in enumerate(drafts) for _ in range(k + 1, num_rows)]
+            which = [k for k in range(len(drafts)) for _ in range(k + 1, num_rows)]
+            columns = torch.searchsorted(ids, draft_ids)[torch.tensor(which).to(self.device)]
             counts = counts.clone().index_put_(
-                (torch.tensor(rows).to(self.device, non_blocking=True),
-                 torch.tensor(cols).to(self.device, non_blocking=True)),
+                (torch.tensor(rows).to(self.device, non_blocking=True), columns),
                 torch.ones(len(rows), device=self.device), accumulate=True)
+        columns_logits = logits[:, ids]  # [R, K]
         # 3. repetition over prompt and output (drafts included), 4. frequency and presence.
         p = self.params.repetition_penalty
         if p != 1.0:
-            seen = self.seen | (counts > 0)  # [R, V]
-            logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p, logits * p),
-                                     logits))
+            seen = self.seen[ids] | (counts > 0)  # [R, K]
+            columns_logits = torch.where(seen, torch.where(columns_logits > 0,
+                                                           columns_logits / p,
+                                                           columns_logits * p), columns_logits)
         f, a = self.params.frequency_penalty, self.params.presence_penalty
         if f:
-            logits.sub_(f * counts)
+            columns_logits = columns_logits - f * counts
         if a:
-            logits.sub_(a * (counts > 0).float())
+            columns_logits = columns_logits - a * (counts > 0).float()
+        logits[:, ids] = columns_logits
 
 
 class LogitsProcessing:

@@ -40,7 +40,7 @@ from dspark.rejection import VerificationRule, VerifyBatch, verify
 from dspark.sampling import SamplingTensors, probs_from_logits
 from dspark.stop_tokens import stop_token_ids
 from dspark.training.data import encode_chat
-from dspark.verifier import PackedRound, RoundVerdict, TargetVerifier, verify_round
+from dspark.verifier import PackedRound, RoundVerdict, TargetRows, TargetVerifier, verify_round
 
 SETS = ("gsm8k", "math500", "humaneval", "mt-bench")
 
@@ -81,8 +81,8 @@ class ScoringVerifier(TargetVerifier):
         self.batches: list[VerifyBatch] = []
         """The first `keep` verified batches."""
 
-    def verify_packed(self, packed: PackedRound, logits: torch.Tensor) -> RoundVerdict:
-        verdict = verify_round(packed, logits, self.rule)
+    def verify_packed(self, packed: PackedRound, target: TargetRows) -> RoundVerdict:
+        verdict = verify_round(packed, target, self.rule)
         if verdict.batch is not None:
             self.scores.extend(expected_accepted(verdict.batch))
             if len(self.batches) < self.keep:

@@ -21,14 +21,15 @@ A `verify` call is three steps around the target forward:
    (dspark.draft_packing), the draft lengths, and the round's keyed uniforms
    (dspark.random_draws.draw_uniforms);
    then `TargetRunner.forward` reads every item in one pass;
-2. verify (`verify_round`, pure and batched): the forward's logits and the packed drafts and
-   draws -> each request's accepted count and output tokens, and each final chunk's first
-   token; it touches no runner state;
+2. verify (`verify_round`, pure and batched): the target's rows (`target_rows`, below) and the
+   packed drafts and draws -> each request's accepted count and output tokens, and each final
+   chunk's first token; it touches no runner state;
 3. commit (`TargetVerifier.commit`): the KV cache truncated to the committed tokens, features
    returned or held, log-probabilities and the chunks' outputs gathered into a `VerifyOutput`.
 
 Where the target's logits become its distributions: `target_rows`, one step between the forward
-and rejection sampling. It takes the forward's logit rows [num_verify_rows + num_final_chunks,
+and rejection sampling (`TargetVerifier.verify` calls it between `TargetRunner.forward` and
+`verify_round`, so what it needs of the verifier's own state can be passed in there). It takes the forward's logit rows [num_verify_rows + num_final_chunks,
 vocab_size] and the `PackedRound` (per request: its id, sampling parameters, anchor position and
 admitted drafts; per final chunk: its request and prompt length) and returns the rows that
 rejection sampling and first-token sampling turn into p^t through each request's sampling
@@ -250,25 +251,25 @@ def target_rows(logits: torch.Tensor, packed: PackedRound) -> TargetRows:
     return TargetRows(verify=logits[:rows], first=logits[rows:])
 
 
-def verify_round(packed: PackedRound, logits: torch.Tensor,
+def verify_round(packed: PackedRound, target: TargetRows,
                  rule: VerificationRule = VerificationRule.TOKEN) -> RoundVerdict:
-    """Step 2, pure and batched: the forward's logits [num_verify_rows + num_final_chunks,
-    vocab_size] -> each request's verdict and each final chunk's first token. One device read
-    for the verdicts, one for the first tokens."""
-    target = target_rows(logits, packed)
+    """Step 2, pure and batched: the target's rows (`target_rows`) -> each request's verdict and
+    each final chunk's first token. One device read for the verdicts, one for the first
+    tokens."""
+    device = target.verify.device
     batch, num_accepted, output_tokens = None, [], []
     if packed.requests:
         batch = VerifyBatch(draft_tokens=packed.draft_tokens, draft_lens=packed.draft_lens,
                             draft_probs=packed.draft_probs, target_logits=target.verify,
                             sampling=[r.sampling for r in packed.requests])
-        result = verify(batch, packed.draws.to(logits.device), rule)
+        result = verify(batch, packed.draws.to(device), rule)
         num_accepted, output_tokens = result.to_host(batch)  # one device-to-host copy
     final = packed.final_chunks
     first_tokens = None
     if final:
         first_tokens = sample_first_tokens(  # [F]
             target.first, SamplingTensors.from_params([c.sampling for c in final],
-                                                      device=logits.device),
+                                                      device=device),
             packed.first_generators,
             [s + len(c.token_ids) for c, s in zip(packed.chunks, packed.chunk_starts) if c.final],
             rule)
@@ -325,7 +326,8 @@ class TargetVerifier:
             start = time.perf_counter()
             out = self.runner.forward(packed.items)  # logits: l_r + 1 rows a request, 1 a final chunk
             step_seconds = time.perf_counter() - start
-            return self.commit(packed, out, self.verify_packed(packed, out.logits), step_seconds)
+            verdict = self.verify_packed(packed, target_rows(out.logits, packed))
+            return self.commit(packed, out, verdict, step_seconds)
         except BaseException:
             for rid in new:
                 self.runner.free(rid)
@@ -339,10 +341,9 @@ class TargetVerifier:
                           chunk_starts=[self.runner.length(c.request_id) for c in prefill],
                           vocab_size=self.vocab_size, device=self.runner.device)
 
-    def verify_packed(self, packed: PackedRound, logits: torch.Tensor) -> RoundVerdict:
-        """Step 2 (`verify_round`) under this verifier's rule; logits [rows, vocab_size] as the
-        forward of packed.items returned them."""
-        return verify_round(packed, logits, self.rule)
+    def verify_packed(self, packed: PackedRound, target: TargetRows) -> RoundVerdict:
+        """Step 2 (`verify_round`) under this verifier's rule."""
+        return verify_round(packed, target, self.rule)
 
     def commit(self, packed: PackedRound, out: ForwardOutput, verdict: RoundVerdict,
                step_seconds: float) -> VerifyOutput:

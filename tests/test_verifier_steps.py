@@ -11,7 +11,7 @@ from dspark.models.draft_types import DraftBlock
 from dspark.random_draws import CounterGenerator, draw_uniforms
 from dspark.rejection import VerificationRule, VerifyBatch, sample_first_tokens, verify_reference
 from dspark.sampling import SamplingParams, SamplingTensors
-from dspark.verifier import PrefillChunk, VerifyRequest, pack_round, verify_round
+from dspark.verifier import PrefillChunk, VerifyRequest, pack_round, target_rows, verify_round
 
 V = 9
 GAMMA = 4
@@ -60,7 +60,7 @@ def test_verify_round_matches_the_reference_on_the_same_draws(rule, seed):
     packed = pack_round(requests, chunks, ANCHORS, CHUNK_STARTS, V, CPU)
     logits = 3 * torch.randn(packed.num_verify_rows + 1, V,
                              generator=torch.Generator().manual_seed(100 + seed))
-    verdict = verify_round(packed, logits, rule)
+    verdict = verify_round(packed, target_rows(logits, packed), rule)
 
     lens = [r.num_drafts if r.block is not None else 0 for r in requests]
     admitted = [(r.block, n) for r, n in zip(requests, lens) if n]
@@ -82,6 +82,6 @@ def test_verify_round_matches_the_reference_on_the_same_draws(rule, seed):
 def test_verify_round_with_chunks_only_verifies_nothing():
     _, chunks = round_inputs(0)
     packed = pack_round([], chunks, [], CHUNK_STARTS, V, CPU)
-    verdict = verify_round(packed, torch.randn(1, V))
+    verdict = verify_round(packed, target_rows(torch.randn(1, V), packed))
     assert verdict.batch is None and verdict.num_accepted == [] and verdict.output_tokens == []
     assert verdict.first_tokens.shape == (1,)

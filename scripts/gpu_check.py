@@ -505,7 +505,11 @@ def pack_main(argv: list[str]) -> int:
     p.add_argument("--chunk-mib", type=float, default=1.0)
     p.add_argument("--limit-mib", type=float, default=64.0)
     p.add_argument("--tracked-bytes", type=int, default=None,
-                   help="the repository's tracked bytes (default: measured with git ls-files)")
+                   help="the bytes every call carries besides its part (default: the device "
+                        "tree's, scripts/gpu_tree.py bytes --slim)")
+    p.add_argument("--compress-min-saving", type=float, default=None,
+                   help="a .safetensors file travels xz-compressed when that saves at least this "
+                        "fraction (default 0.1)")
     args = p.parse_args(argv)
     target = args.target_dir or default_model_dir("smollm2-135m-instruct")
     gguf = None
@@ -527,15 +531,16 @@ def pack_main(argv: list[str]) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = [{**r, "ids": r.get("ids") or chat_ids(tokenizer, r)} for r in prompts]
-    tracked = gp.tracked_bytes() if args.tracked_bytes is None else args.tracked_bytes
+    tracked = gp.device_tree_bytes() if args.tracked_bytes is None else args.tracked_bytes
     limit = int(args.limit_mib * gp.MIB)
     weights = gguf or target / "model.safetensors"
-    print(f"limit {limit:,} bytes; repository's tracked files {tracked:,} bytes; "
+    print(f"limit {limit:,} bytes; the device tree {tracked:,} bytes; "
           f"the target's weights {weights.name} {weights.stat().st_size:,} bytes", file=sys.stderr)
     try:
         manifest = gp.pack(args.out, target, args.drafter_dir, prompts, gguf=gguf, wheels=wheels,
                            chunk_bytes=int(args.chunk_mib * gp.MIB), limit_bytes=limit,
-                           tracked=tracked)
+                           tracked=tracked, compress_min_saving=gp.COMPRESS_MIN_SAVING
+                           if args.compress_min_saving is None else args.compress_min_saving)
     except gp.PayloadError as e:
         print(f"pack: {e}", file=sys.stderr)
         return 2
@@ -543,12 +548,14 @@ def pack_main(argv: list[str]) -> int:
     return 0 if manifest["sizes"]["fits"] else 2
 
 
-MISSING_ON_DEVICE = ("gguf", "grpcio", "grpcio-tools", "protobuf", "grpcio-health-checking",
-                     "grpcio-reflection", "opentelemetry-api", "opentelemetry-sdk",
+MISSING_ON_DEVICE = ("gguf", "grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection",
+                     "opentelemetry-api", "opentelemetry-sdk",
                      "opentelemetry-semantic-conventions", "dill")
 """What the device check imports that the GPU machine's image lacks (docs/.library KINDS list:
-no gguf, grpcio tools / health / reflection or OpenTelemetry), with grpcio and protobuf at the
-versions grpcio-tools is built for; their other needs (typing-extensions, setuptools) are there."""
+no gguf, grpcio health / reflection or OpenTelemetry), with grpcio and protobuf at the versions
+the committed stubs in dspark/v1 were generated for (the image's may be older); their other needs
+(typing-extensions, setuptools) are there. grpcio-tools stays behind: it only regenerates the
+stubs (dspark/serving/protos.py), which the device never does."""
 
 
 def device_wheels(folder: Path, names) -> list[Path]:

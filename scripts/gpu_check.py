@@ -17,12 +17,15 @@ Run 2 (`--run 2`):
 Every figure is written with the device name and the torch and CUDA versions beside it:
 `--out`/gpu.json and `--out`/gpu.md (docs/results/ when committed).
 
-The payload (scripts/gpu_payload.py): `pack` here writes .gpu/check/part1..N, each a folder one
-device call carries; on the machine `run1 --payload .gpu/check/part1` checks and stashes its part
-(outside the repository, /tmp/dspark-payload) and runs the smoke round, `stash --payload partK`
-carries a middle part, and `run2 --payload partN` stashes the last part, assembles the target
-(digests, chunks joined, the GGUF converted, tensors compared) and runs (a) to (d). docs/gpu.md,
-"Prepared device check", has the calls; tests/test_gpu_payload.py rehearses them on the CPU.
+The payload (scripts/gpu_payload.py): `pack` here writes .gpu/check/part1 and part2, each a folder
+one device call carries beside the device tree (scripts/gpu_tree.py `slim`: the checkout without
+the tracked files the check does not run); on the machine `run1 --payload .gpu/check/part1`
+checks and stashes its part (outside the repository, /tmp/dspark-payload; the drafter joined and
+decompressed) and runs the smoke round, and `run2 --payload .gpu/check/part2` stashes the last
+part, assembles the target (digests, chunks joined, the GGUF converted, tensors compared) and
+runs (a) to (d); `stash --payload partK` carries a middle part where a payload needs more than
+two. docs/gpu.md, "Prepared device check", has the commands; tests/test_gpu_payload.py rehearses
+them on the CPU.
 
 Rehearsal on a CPU (`--device cpu --tiny`): the tiny random target and drafter of the tests
 (loadtest.tiny_models) stand in for SmolLM2 and the shipped drafter; every step runs, only
@@ -471,6 +474,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     p.add_argument("--payload", type=Path, default=None,
                    help="run1/run2: this call's part of the payload (`pack`'s .gpu/check/partN)")
+    p.add_argument("--no-wheels", action="store_true",
+                   help="run1/run2: install none of the carried wheels (a CPU rehearsal whose "
+                        "python has the packages and is not the device's 3.12)")
     p.add_argument("--stash", type=Path, default=None,
                    help="run1/run2: where the parts gather on the machine (/tmp/dspark-payload)")
     return p
@@ -629,7 +635,7 @@ def device_run(which: str, argv: list[str]) -> int:
             return smoke(models_from(stash_dir / "target", drafter), device, dtype, args)
 
         def packages(deadline):
-            out = gp.install_wheels(stash_dir)
+            out = gp.install_wheels(stash_dir, not args.no_wheels)
             import grpc
             import google.protobuf
             import opentelemetry.sdk  # noqa: F401
@@ -646,7 +652,7 @@ def device_run(which: str, argv: list[str]) -> int:
                   ("smoke (random target of the real shape)", 0.55, smoke_round)]
     else:
         def assemble(deadline):
-            state.update(gp.assemble(stash_dir))
+            state.update(gp.assemble(stash_dir, install=not args.no_wheels))
             state["models"] = models_from(Path(state["target_dir"]), Path(state["drafter_dir"]))
             return {k: v for k, v in state.items() if k != "models"}
 
@@ -657,7 +663,7 @@ def device_run(which: str, argv: list[str]) -> int:
 
         def stash_and_install(deadline):
             out = gp.stash(args.payload, stash_dir)
-            out["packages"] = gp.install_wheels(stash_dir)["wheels"]
+            out["packages"] = gp.install_wheels(stash_dir, not args.no_wheels)["wheels"]
             return out
 
         phases = [(f"payload {args.payload.name}", 0.05, stash_and_install),

@@ -316,9 +316,10 @@ def join_complete(stash_dir: Path, manifest: dict) -> tuple[list[str], list[str]
     return joined, bad
 
 
-def install_wheels(stash_dir: Path = DEFAULT_STASH) -> dict:
-    """The carried wheels installed (once) into stash/site, first on sys.path."""
-    wheels = sorted((stash_dir / "wheels").glob("*.whl"))
+def install_wheels(stash_dir: Path = DEFAULT_STASH, install: bool = True) -> dict:
+    """The carried wheels installed (once) into stash/site, first on sys.path; `install` False:
+    none (a rehearsal whose python has the packages already, and is not the device's 3.12)."""
+    wheels = sorted((stash_dir / "wheels").glob("*.whl")) if install else []
     site = stash_dir / "site"
     marker = site / ".installed"
     names = [w.name for w in wheels]
@@ -340,7 +341,8 @@ def verify_repo_files(manifest: dict, repo: Path = REPO) -> list[str]:
             if not (repo / rel).is_file() or sha256(repo / rel) != digest]
 
 
-def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True) -> dict:
+def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True,
+             install: bool = True) -> dict:
     """Every part present and checked, chunks joined, the GGUF converted; returns where the
     target and drafter are and what was checked."""
     manifest = json.loads((stash_dir / "MANIFEST.json").read_text())
@@ -361,7 +363,7 @@ def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True) -> dict:
            "decompressed": sorted(manifest.get("compressed", {})),
            "repo_files": len(manifest["repo_files"]), "digests_ok": True}
     if weights.suffix == ".gguf" and convert:
-        target = convert_gguf(weights, stash_dir, manifest)
+        target = convert_gguf(weights, stash_dir, install)
     if manifest["tensors"] and (target / "model.safetensors").is_file():
         got = tensor_digests(target / "model.safetensors")
         want = manifest["tensors"]
@@ -375,12 +377,12 @@ def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True) -> dict:
     return out
 
 
-def convert_gguf(gguf: Path, stash_dir: Path, manifest: dict) -> Path:
+def convert_gguf(gguf: Path, stash_dir: Path, install: bool = True) -> Path:
     """`dspark fetch-model`'s conversion into stash/model (the carried `gguf` wheel installed)."""
     folder = stash_dir / "model"
     if (folder / "model.safetensors").is_file():
         return folder
-    install_wheels(stash_dir)
+    install_wheels(stash_dir, install)
     from dspark.fetch import _convert
 
     tmp = stash_dir / "model.tmp"

@@ -414,8 +414,10 @@ CPU_REHEARSAL_BUDGET_S = 1800.0
 tool's timeout_s, 240 and 480), which leaves a 15-minute loan room for the machine's start."""
 
 
-class PhaseBudgetSpent(Exception):
-    """A phase ran past its share of the run's time budget."""
+class PhaseBudgetSpent(BaseException):
+    """A phase ran past its share of the run's time budget. A BaseException, so that no
+    `except Exception` on the way (the runner's fallback from a CPU kernel that is still being
+    built, say) takes it for an ordinary failure and runs on past the budget."""
 
 
 @contextlib.contextmanager
@@ -442,7 +444,8 @@ def run_phases(results: dict, phases: list, out: Path | list[Path], total_s: flo
         try:
             with budget(share * total_s):
                 results[name] = step(start + 0.8 * share * total_s)
-        except Exception as e:  # noqa: BLE001 (one failed step must not lose the others)
+        # One failed or stopped step must not lose the others.
+        except (Exception, PhaseBudgetSpent) as e:  # noqa: BLE001
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         timings[name] = f"{time.monotonic() - start:.0f} / {share * total_s:.0f}"
         print(f"{name}: {timings[name]} s", file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from dspark.devices import add_device_argument
 from dspark.fetch import ensure_model
 from dspark.methods import DrafterKind
 from dspark.models.drafter_config import DrafterConfig
@@ -52,11 +53,12 @@ def main() -> int:
     parser.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="the teacher's dtype (the campaign's: bfloat16)")
     parser.add_argument("--threads", type=int, default=2)
+    add_device_argument(parser, help_suffix=" (the teacher and the drafter)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     scales = [float(s) for s in args.scales.split(",")]
     dcfg = DrafterConfig.load(args.checkpoint)
-    cfg = TrainConfig(data_path=args.data, target_dir=str(args.model_dir or ensure_model()),
+    cfg = TrainConfig(device=args.device, data_path=args.data, target_dir=str(args.model_dir or ensure_model()),
                       out_dir=tempfile.mkdtemp(), method=DrafterKind(dcfg.markov_head_type.value),
                       num_layers=dcfg.num_hidden_layers, gamma=dcfg.block_size,
                       markov_rank=dcfg.markov_rank, draft_vocab_size=dcfg.draft_vocab_size,

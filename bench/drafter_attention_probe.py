@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import dspark.models.drafter_layers as drafter_layers
+from dspark.devices import add_device_argument
 from dspark.fetch import ensure_model
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import load_drafter
@@ -49,11 +50,12 @@ def main() -> int:
     parser.add_argument("--data", default="data/smollm2_answers.jsonl.gz")
     parser.add_argument("--qk-scales", default="1,2,4")
     parser.add_argument("--threads", type=int, default=2)
+    add_device_argument(parser, help_suffix=" (the teacher and the drafter)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dcfg = DrafterConfig.load(args.checkpoint)
     gamma = dcfg.block_size
-    cfg = TrainConfig(data_path=args.data, target_dir=str(args.model_dir or ensure_model()), out_dir=tempfile.mkdtemp(),
+    cfg = TrainConfig(device=args.device, data_path=args.data, target_dir=str(args.model_dir or ensure_model()), out_dir=tempfile.mkdtemp(),
                       method=DrafterKind.MARKOV, num_layers=dcfg.num_hidden_layers, gamma=gamma,
                       markov_rank=dcfg.markov_rank, draft_vocab_size=dcfg.draft_vocab_size,
                       target_layer_ids=list(dcfg.target_layer_ids), split="heldout",

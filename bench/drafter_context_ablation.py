@@ -21,6 +21,7 @@ import tempfile
 
 import torch
 
+from dspark.devices import add_device_argument
 from dspark.fetch import ensure_model
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.drafter_io import load_drafter
@@ -36,10 +37,11 @@ def main() -> int:
     parser.add_argument("--split", default="heldout")
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    add_device_argument(parser, help_suffix=" (the teacher and the drafter)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dcfg = DrafterConfig.load(args.checkpoint)
-    cfg = TrainConfig(data_path=args.data, target_dir=str(args.model_dir or ensure_model()), out_dir=tempfile.mkdtemp(),
+    cfg = TrainConfig(device=args.device, data_path=args.data, target_dir=str(args.model_dir or ensure_model()), out_dir=tempfile.mkdtemp(),
                       method=DrafterKind(dcfg.markov_head_type.value), num_layers=dcfg.num_hidden_layers,
                       gamma=dcfg.block_size, markov_rank=dcfg.markov_rank,
                       draft_vocab_size=dcfg.draft_vocab_size,

@@ -8,7 +8,7 @@ tau = tokens per round of the requests' rounds. Also checks, on the first prompt
 invariant rule's output equals target-only decoding (policy none) with the same seed. Prints a
 markdown table and one JSON line. Usage:
     .venv/bin/python bench/drafter_invariant.py [--limit 8] [--max-tokens 96]
-        [--temperature 1] [--threads 2] [--dtype float32]
+        [--temperature 1] [--threads 2] [--dtype float32] [--device auto|cpu|cuda[:N]]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from dspark.cost_table import CostTable
 from dspark.cpu_info import cpu_line
+from dspark.devices import add_device_argument, resolve_device
 from dspark.engine import Engine, EngineConfig
 from dspark.evaluation.eval_cli import read_eval_prompts
 from dspark.fetch import ensure_model
@@ -71,6 +72,7 @@ def main() -> int:
     parser.add_argument("--max-running", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -79,7 +81,8 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = DrafterConfig.load(args.checkpoint)
     runner = load_target(model_dir, tuple(config.target_layer_ids),
-                         kv_cache_tokens=args.max_running * 4096, dtype=args.dtype)
+                         kv_cache_tokens=args.max_running * 4096, dtype=args.dtype,
+                         device=resolve_device(args.device))
     drafter = load_method_drafter(args.checkpoint, runner, apply_calibration=True)
     stops = stop_token_ids(tokenizer)
     whole = f"fixed:{drafter.gamma}"

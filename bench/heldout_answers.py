@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.devices import add_device_argument, resolve_device
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,6 +36,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -51,7 +54,8 @@ def main() -> int:
         return 2
     model_dir = args.model_dir or ensure_model()
     eos = set(stop_token_ids(AutoTokenizer.from_pretrained(model_dir)))
-    runner = TargetRunner(model_dir, RunnerConfig(kv_cache_tokens=args.batch_size * 2048))
+    runner = TargetRunner(model_dir, RunnerConfig(kv_cache_tokens=args.batch_size * 2048,
+                                                  device=resolve_device(args.device)))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     by_id = {r["id"]: r for r in records}
     start, tokens = time.perf_counter(), 0

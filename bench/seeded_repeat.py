@@ -4,7 +4,7 @@ oneDNN may round differently at different batch sizes), the request seeded 42 on
 mt-bench prompt, the others the next prompts. Prints each run's first tokens and one JSON line.
 Usage:
     .venv/bin/python bench/seeded_repeat.py [--policy async_topk] [--max-tokens 48]
-        [--others 0,7,3] [--threads 2]
+        [--others 0,7,3] [--threads 2] [--device auto|cpu|cuda[:N]]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from dspark.cost_table import CostTable
 from dspark.cpu_info import cpu_line
+from dspark.devices import add_device_argument, resolve_device
 from dspark.engine import Engine, EngineConfig
 from dspark.evaluation.eval_cli import read_eval_prompts
 from dspark.fetch import ensure_model
@@ -38,6 +39,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--others", default="0,7,3")
     parser.add_argument("--threads", type=int, default=2)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -46,7 +48,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = DrafterConfig.load(DEFAULT_DRAFTER)
     runner = load_target(model_dir, tuple(config.target_layer_ids), kv_cache_tokens=8 * 4096,
-                         dtype="float32")
+                         dtype="float32", device=resolve_device(args.device))
     drafter = load_method_drafter(DEFAULT_DRAFTER, runner, apply_calibration=True)
     counts = [int(n) for n in args.others.split(",")]
     prompts = [encode_chat(tokenizer, t) for t in

@@ -12,7 +12,7 @@ every stream's greedy tokens are identical on both sides.
 
 Prints a markdown table and ends with one JSON line. Usage:
     .venv/bin/python bench/services.py [--tiny] [--streams 1,8,16] [--new-tokens 64]
-        [--model-dir DIR] [--drafter-dir DIR] [--policy async_topk] [--dtype float32]
+        [--model-dir DIR] [--drafter-dir DIR] [--policy async_topk] [--dtype float32] [--device auto|cpu|cuda[:N]]
 `--tiny` uses a tiny random model (seconds; checks the plumbing, not the real overheads).
 The stack is also measured with two cohorts (`--cohorts 2`: one cohort drafts while the other
 verifies); "overlap gain" = its throughput / the one-cohort stack's.
@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from dspark.devices import add_device_argument, resolve_device
 
 # Run by path: this checkout's packages come first on sys.path, before dspark (and so
 # dspark.paths.REPO_ROOT) can be imported, hence its own path here.
@@ -81,7 +83,8 @@ def run_embedded(args, models, prompts: list[list[int]], table_path: Path) -> tu
     from dspark.verifier import TargetVerifier
 
     layers = tuple(DrafterConfig.load(models["drafter"]).target_layer_ids) if models["drafter"] else ()
-    runner = load_target(models["target"], layers, kv_cache_tokens=65536, dtype=args.dtype)
+    runner = load_target(models["target"], layers, kv_cache_tokens=65536, dtype=args.dtype,
+                         device=resolve_device(args.device))
     drafter = load_method_drafter(models["drafter"], runner, apply_calibration=True) \
         if models["drafter"] else None
     engine = build_engine(TargetVerifier(runner), drafter, CostTable.load(table_path),
@@ -243,7 +246,7 @@ def start_stack(args, models, table_path: Path, log_dir: Path, cohort_counts=(1,
     """Verifier, drafter, and one scheduler per cohort count (1 and 2) over the same services;
     returns the processes, {cohorts: gRPC port} and the scheduler's --verifier / --drafter."""
     v_port, d_port = free_port(), free_port()
-    common = ["--dtype", args.dtype, "--threads", str(args.threads)]
+    common = ["--dtype", args.dtype, "--threads", str(args.threads), "--device", args.device]
     procs = []
     verifier = ServiceProcess("verifier", [
         "services.verifier", "--port", str(v_port), "--model-dir", str(models["target"]),
@@ -284,6 +287,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--policy", default="async_topk")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_device_argument(parser, help_suffix=" (the embedded engine and both services)")
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--gateway-baseline", default="",
@@ -313,8 +317,8 @@ def main() -> int:
         target = Path(args.model_dir) if args.model_dir else ensure_model()
         models = {"target": target, "drafter": drafter_dir_or_shipped(args.drafter_dir)}
         table_path = work / "cost_table.json"
-        startup_cost_table(load_target(target, (), kv_cache_tokens=4096, dtype=args.dtype)).save(
-            table_path)
+        startup_cost_table(load_target(target, (), kv_cache_tokens=4096, dtype=args.dtype,
+                                       device=resolve_device(args.device))).save(table_path)
     tokenizer = AutoTokenizer.from_pretrained(models["target"])
     if args.gateway_baseline:
         rows = compare_gateways(args, models, table_path, work, tokenizer)

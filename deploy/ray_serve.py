@@ -31,8 +31,10 @@ Glossary:
   cell), draining a cell before it removes it.
 
 Resources: every replica reserves `--service-cpus` logical CPUs; the verifier and drafter reserve
-`--verifier-gpus` / `--drafter-gpus` GPUs (default: 0.5 each when the cluster has GPUs, so one
-cell shares one GPU; 0 on a CPU-only cluster) and then run on `cuda`. A cell is pinned to one node
+`--verifier-gpus` / `--drafter-gpus` GPUs (default: one each when the cluster has GPUs, as
+deploy/docker-compose.gpu.yml places them; `--verifier-gpus 0.5` (the drafter follows) puts a
+cell's two on one shared GPU; 0 on a CPU-only cluster) and then run on `cuda`, the GPU Ray
+assigns to the replica. A cell is pinned to one node
 by a label selector on the node's id (`ray.io/node-id`); cells go to the nodes with the custom
 resource `dspark_cell` (one slot per cell) when some have it, least used first, else round-robin
 over the alive nodes (with GPUs when GPUs are asked for). Nothing of a cell listens beyond
@@ -123,8 +125,9 @@ class RayServeConfig:
     redis_prefix: str = _field("dspark:", "key prefix, shared by every cell: a request stored "
                                           "by one cell can be fetched and resumed on any")
     service_cpus: float = _field(1.0, "logical CPUs each service replica reserves")
-    verifier_gpus: float = _field(-1.0, "GPUs each verifier reserves (-1 = 0.5 when the cluster "
-                                        "has GPUs, else 0); > 0 runs it on cuda")
+    verifier_gpus: float = _field(-1.0, "GPUs each verifier reserves (-1 = 1 when the cluster "
+                                        "has GPUs, else 0; 0.5 with a drafter's 0.5 shares one "
+                                        "GPU); > 0 runs it on cuda")
     drafter_gpus: float = _field(-1.0, "GPUs each drafter reserves (-1 = as --verifier-gpus)")
     threads: int = _field(1, "torch CPU threads of each verifier and drafter")
     proxy_location: str = _field("EveryNode", "where Ray Serve runs HTTP proxies: EveryNode | "
@@ -171,7 +174,8 @@ class RayServeConfig:
 
     def gpus(self, cluster_gpus: float) -> tuple[float, float]:
         """(verifier GPUs, drafter GPUs) per cell, resolving -1 against the cluster."""
-        verifier = self.verifier_gpus if self.verifier_gpus >= 0 else (0.5 if cluster_gpus else 0)
+        # As deploy/docker-compose.gpu.yml: one GPU each by default; 0.5 each shares one.
+        verifier = self.verifier_gpus if self.verifier_gpus >= 0 else (1.0 if cluster_gpus else 0)
         drafter = self.drafter_gpus if self.drafter_gpus >= 0 else verifier
         return verifier, drafter
 

@@ -17,12 +17,15 @@ Run 2 (`--run 2`):
 Every figure is written with the device name and the torch and CUDA versions beside it:
 `--out`/gpu.json and `--out`/gpu.md (docs/results/ when committed).
 
-The payload (scripts/gpu_payload.py): `pack` here writes .gpu/check/part1..N, each a folder one
-device call carries; on the machine `run1 --payload .gpu/check/part1` checks and stashes its part
-(outside the repository, /tmp/dspark-payload) and runs the smoke round, `stash --payload partK`
-carries a middle part, and `run2 --payload partN` stashes the last part, assembles the target
-(digests, chunks joined, the GGUF converted, tensors compared) and runs (a) to (d). docs/gpu.md,
-"Prepared device check", has the calls; tests/test_gpu_payload.py rehearses them on the CPU.
+The payload (scripts/gpu_payload.py): `pack` here writes .gpu/check/part1 and part2, each a folder
+one device call carries beside the device tree (scripts/gpu_tree.py `slim`: the checkout without
+the tracked files the check does not run); on the machine `run1 --payload .gpu/check/part1`
+checks and stashes its part (outside the repository, /tmp/dspark-payload; the drafter joined and
+decompressed) and runs the smoke round, and `run2 --payload .gpu/check/part2` stashes the last
+part, assembles the target (digests, chunks joined, the GGUF converted, tensors compared) and
+runs (a) to (d); `stash --payload partK` carries a middle part where a payload needs more than
+two. docs/gpu.md, "Prepared device check", has the commands; tests/test_gpu_payload.py rehearses
+them on the CPU.
 
 Rehearsal on a CPU (`--device cpu --tiny`): the tiny random target and drafter of the tests
 (loadtest.tiny_models) stand in for SmolLM2 and the shipped drafter; every step runs, only
@@ -411,8 +414,10 @@ CPU_REHEARSAL_BUDGET_S = 1800.0
 tool's timeout_s, 240 and 480), which leaves a 15-minute loan room for the machine's start."""
 
 
-class PhaseBudgetSpent(Exception):
-    """A phase ran past its share of the run's time budget."""
+class PhaseBudgetSpent(BaseException):
+    """A phase ran past its share of the run's time budget. A BaseException, so that no
+    `except Exception` on the way (the runner's fallback from a CPU kernel that is still being
+    built, say) takes it for an ordinary failure and runs on past the budget."""
 
 
 @contextlib.contextmanager
@@ -439,7 +444,8 @@ def run_phases(results: dict, phases: list, out: Path | list[Path], total_s: flo
         try:
             with budget(share * total_s):
                 results[name] = step(start + 0.8 * share * total_s)
-        except Exception as e:  # noqa: BLE001 (one failed step must not lose the others)
+        # One failed or stopped step must not lose the others.
+        except (Exception, PhaseBudgetSpent) as e:  # noqa: BLE001
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         timings[name] = f"{time.monotonic() - start:.0f} / {share * total_s:.0f}"
         print(f"{name}: {timings[name]} s", file=sys.stderr, flush=True)
@@ -471,6 +477,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     p.add_argument("--payload", type=Path, default=None,
                    help="run1/run2: this call's part of the payload (`pack`'s .gpu/check/partN)")
+    p.add_argument("--no-wheels", action="store_true",
+                   help="run1/run2: install none of the carried wheels (a CPU rehearsal whose "
+                        "python has the packages and is not the device's 3.12)")
     p.add_argument("--stash", type=Path, default=None,
                    help="run1/run2: where the parts gather on the machine (/tmp/dspark-payload)")
     return p
@@ -505,7 +514,11 @@ def pack_main(argv: list[str]) -> int:
     p.add_argument("--chunk-mib", type=float, default=1.0)
     p.add_argument("--limit-mib", type=float, default=64.0)
     p.add_argument("--tracked-bytes", type=int, default=None,
-                   help="the repository's tracked bytes (default: measured with git ls-files)")
+                   help="the bytes every call carries besides its part (default: the device "
+                        "tree's, scripts/gpu_tree.py bytes --slim)")
+    p.add_argument("--compress-min-saving", type=float, default=None,
+                   help="a .safetensors file travels xz-compressed when that saves at least this "
+                        "fraction (default 0.1)")
     args = p.parse_args(argv)
     target = args.target_dir or default_model_dir("smollm2-135m-instruct")
     gguf = None
@@ -527,15 +540,16 @@ def pack_main(argv: list[str]) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = [{**r, "ids": r.get("ids") or chat_ids(tokenizer, r)} for r in prompts]
-    tracked = gp.tracked_bytes() if args.tracked_bytes is None else args.tracked_bytes
+    tracked = gp.device_tree_bytes() if args.tracked_bytes is None else args.tracked_bytes
     limit = int(args.limit_mib * gp.MIB)
     weights = gguf or target / "model.safetensors"
-    print(f"limit {limit:,} bytes; repository's tracked files {tracked:,} bytes; "
+    print(f"limit {limit:,} bytes; the device tree {tracked:,} bytes; "
           f"the target's weights {weights.name} {weights.stat().st_size:,} bytes", file=sys.stderr)
     try:
         manifest = gp.pack(args.out, target, args.drafter_dir, prompts, gguf=gguf, wheels=wheels,
                            chunk_bytes=int(args.chunk_mib * gp.MIB), limit_bytes=limit,
-                           tracked=tracked)
+                           tracked=tracked, compress_min_saving=gp.COMPRESS_MIN_SAVING
+                           if args.compress_min_saving is None else args.compress_min_saving)
     except gp.PayloadError as e:
         print(f"pack: {e}", file=sys.stderr)
         return 2
@@ -543,12 +557,14 @@ def pack_main(argv: list[str]) -> int:
     return 0 if manifest["sizes"]["fits"] else 2
 
 
-MISSING_ON_DEVICE = ("gguf", "grpcio", "grpcio-tools", "protobuf", "grpcio-health-checking",
-                     "grpcio-reflection", "opentelemetry-api", "opentelemetry-sdk",
+MISSING_ON_DEVICE = ("gguf", "grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection",
+                     "opentelemetry-api", "opentelemetry-sdk",
                      "opentelemetry-semantic-conventions", "dill")
 """What the device check imports that the GPU machine's image lacks (docs/.library KINDS list:
-no gguf, grpcio tools / health / reflection or OpenTelemetry), with grpcio and protobuf at the
-versions grpcio-tools is built for; their other needs (typing-extensions, setuptools) are there."""
+no gguf, grpcio health / reflection or OpenTelemetry), with grpcio and protobuf at the versions
+the committed stubs in dspark/v1 were generated for (the image's may be older); their other needs
+(typing-extensions, setuptools) are there. grpcio-tools stays behind: it only regenerates the
+stubs (dspark/serving/protos.py), which the device never does."""
 
 
 def device_wheels(folder: Path, names) -> list[Path]:
@@ -622,7 +638,7 @@ def device_run(which: str, argv: list[str]) -> int:
             return smoke(models_from(stash_dir / "target", drafter), device, dtype, args)
 
         def packages(deadline):
-            out = gp.install_wheels(stash_dir)
+            out = gp.install_wheels(stash_dir, not args.no_wheels)
             import grpc
             import google.protobuf
             import opentelemetry.sdk  # noqa: F401
@@ -639,7 +655,7 @@ def device_run(which: str, argv: list[str]) -> int:
                   ("smoke (random target of the real shape)", 0.55, smoke_round)]
     else:
         def assemble(deadline):
-            state.update(gp.assemble(stash_dir))
+            state.update(gp.assemble(stash_dir, install=not args.no_wheels))
             state["models"] = models_from(Path(state["target_dir"]), Path(state["drafter_dir"]))
             return {k: v for k, v in state.items() if k != "models"}
 
@@ -650,7 +666,7 @@ def device_run(which: str, argv: list[str]) -> int:
 
         def stash_and_install(deadline):
             out = gp.stash(args.payload, stash_dir)
-            out["packages"] = gp.install_wheels(stash_dir)["wheels"]
+            out["packages"] = gp.install_wheels(stash_dir, not args.no_wheels)["wheels"]
             return out
 
         phases = [(f"payload {args.payload.name}", 0.05, stash_and_install),

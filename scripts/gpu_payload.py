@@ -4,33 +4,39 @@ machine beside the repository, in parts that each fit one device call, and its r
 `pack` (here) writes `--out`/part1, part2, ... (each a folder the device tool's `carry` names):
   target/   the target's config and its weights: the shipped GGUF (`dspark fetch-model`'s
             source, which holds the tokenizer too) or, for a small target, its safetensors with
-            the tokenizer files and chat template; a file larger
-            than `--chunk-mib` is cut into numbered chunks (`NAME.part000`, ...);
-  drafter/  the drafter, only when it is not a tracked file of the repository (the shipped
-            drafter, checkpoints/dspark-markov, travels with the repository: its digests are
-            listed under "repo_files" and checked there instead);
+            the tokenizer files and chat template;
+  drafter/  the drafter, unless it lies in the device tree (scripts/gpu_tree.py: the shipped
+            drafter, checkpoints/dspark-markov, is set aside with the other checkpoints, so it
+            travels here; one inside the device tree is listed under "repo_files" instead);
   prompts.jsonl  the eval prompts ({"turns": [...], "dataset": name, "ids": chat-templated token
             ids}), `--per-set` of each set;
-  wheels/   the wheels the GPU machine lacks (python 3.12, manylinux): `gguf` for transformers to
-            read a GGUF, and the service path's grpcio-tools, grpcio-health-checking,
-            grpcio-reflection and OpenTelemetry with the grpcio and protobuf they are built for;
+  wheels/   the wheels the GPU machine lacks (python 3.12, manylinux): `gguf` for the GGUF's
+            conversion, and the service path's grpcio-health-checking, grpcio-reflection and
+            OpenTelemetry with the grpcio and protobuf the committed stubs were generated for;
   MANIFEST.json  in every part: sha256 and size of every file, the part each lies in, the joined
-            files' digests, the float32 tensors' digests of the prepared target, and the sizes:
-            the repository's tracked bytes, the device tool's limit and each part's bytes.
-A part fits when tracked bytes + its bytes <= the limit (64 MiB); `pack` says how many device
-calls the payload needs and fails when a part cannot fit at all.
+            and the compressed files' digests, the float32 tensors' digests of the prepared
+            target, and the sizes: the device tree's bytes, the device tool's limit and each
+            part's bytes.
+A `.safetensors` file travels xz-compressed (`NAME.xz`) when that saves at least
+`compress_min_saving` of it (the shipped drafter's bf16 weights: 24,276,458 bytes to 15,962,444);
+the GGUF's 4-bit blocks do not compress enough to be worth minutes of xz. A file larger than
+`--chunk-mib` (after compression) is cut into numbered chunks (`NAME.part000`, ...).
+A part fits when the device tree's bytes + its bytes <= the limit (64 MiB); `pack` says how many
+device calls the payload needs and fails when a part cannot fit at all.
 
 On the GPU machine, each call first `stash`es its part: the files' digests are checked and the
 part is copied to a folder outside the repository (`--stash`, /tmp/dspark-payload), which stays
-while the machine is warm; the last call `assemble`s: every part present, the chunks joined and
-checked, the GGUF converted to a safetensors folder as `dspark fetch-model` does, and its
-tensors compared with the digests taken here.
+while the machine is warm; whatever is complete is joined and decompressed and checked there
+(part1 holds the drafter whole, for run 1's smoke round); the last call `assemble`s: every part
+present, every digest checked, the GGUF converted to a safetensors folder as
+`dspark fetch-model` does, and its tensors compared with the digests taken here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -42,7 +48,11 @@ MIB = 1 << 20
 DEVICE_LIMIT_BYTES = 64 * MIB
 """The device tool's bound on the working tree that travels (tracked files + carried paths)."""
 MARGIN_BYTES = 256 << 10
-"""Slack for files the session has that are untracked but not ignored."""
+"""Slack for files that become untracked-but-not-ignored between `pack` and the calls."""
+COMPRESS_MIN_SAVING = 0.1
+"""A .safetensors file travels xz-compressed when that makes it at least 10% smaller."""
+XZ_PRESET = 6
+"""xz's default level: the drafter's 24 MB in about a minute on one core; -9 saves <1% more."""
 DEFAULT_STASH = Path("/tmp/dspark-payload")
 TARGET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja")
@@ -62,25 +72,36 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def tracked_bytes(repo: Path = REPO) -> int:
-    """Bytes of the repository's tracked files (what `git ls-files | xargs du -cb` counts)."""
-    names = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], check=True,
-                           capture_output=True).stdout.split(b"\0")
-    total = 0
-    for name in filter(None, names):
-        path = repo / os.fsdecode(name)
-        if path.is_file() and not path.is_symlink():
-            total += path.stat().st_size
-    return total
+def device_tree_bytes(repo: Path = REPO) -> int:
+    """What every device call carries besides its part: the working tree after
+    `scripts/gpu_tree.py slim` (tracked files of the device tree, untracked-not-ignored files)."""
+    import gpu_tree
+
+    return gpu_tree.travel_bytes(repo, slim=True)["total"]
 
 
-def is_tracked(path: Path, repo: Path = REPO) -> bool:
+def in_device_tree(path: Path, repo: Path = REPO) -> bool:
+    """A tracked file that `scripts/gpu_tree.py slim` keeps: it travels with every call."""
+    import gpu_tree
+
     try:
-        rel = path.resolve().relative_to(repo)
+        rel = path.resolve().relative_to(repo).as_posix()
     except ValueError:
         return False
-    return subprocess.run(["git", "-C", str(repo), "ls-files", "--error-unmatch", str(rel)],
-                          capture_output=True).returncode == 0
+    return gpu_tree.on_device(rel) and subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "--error-unmatch", rel],
+        capture_output=True).returncode == 0
+
+
+def xz_if_smaller(src: Path, dst: Path, min_saving: float) -> Path | None:
+    """`src` xz-compressed into `dst` when that saves at least `min_saving` of it."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb") as f, lzma.open(dst, "wb", preset=XZ_PRESET) as g:
+        shutil.copyfileobj(f, g, 1 << 22)
+    if dst.stat().st_size <= (1 - min_saving) * src.stat().st_size:
+        return dst
+    dst.unlink()
+    return None
 
 
 def tensor_digests(safetensors_file: Path) -> dict[str, str]:
@@ -108,13 +129,15 @@ def eval_prompts(eval_dir: Path, per_set: int) -> list[dict]:
 # ------------------------------------------------------------------------------------- pack
 def pack(out: Path, target_dir: Path, drafter_dir: Path, prompts: list[dict],
          gguf: Path | None = None, wheels: list[Path] = (), chunk_bytes: int = 1 * MIB,
-         limit_bytes: int = DEVICE_LIMIT_BYTES, tracked: int | None = None) -> dict:
+         limit_bytes: int = DEVICE_LIMIT_BYTES, tracked: int | None = None,
+         compress_min_saving: float = COMPRESS_MIN_SAVING) -> dict:
     """Write the parts under `out` and return the manifest (also in every part).
 
     `gguf` set: the target's weights travel as that GGUF (converted on the device) and the
     prepared `target_dir`/model.safetensors gives the tensor digests; unset: `target_dir`'s
-    model.safetensors travels as it is."""
-    tracked = tracked_bytes() if tracked is None else tracked
+    model.safetensors travels as it is. `tracked`: the bytes every call carries besides its
+    part (default: the device tree's, `device_tree_bytes`)."""
+    tracked = device_tree_bytes() if tracked is None else tracked
     budget = limit_bytes - tracked - MARGIN_BYTES
     if out.exists():
         shutil.rmtree(out)
@@ -122,13 +145,13 @@ def pack(out: Path, target_dir: Path, drafter_dir: Path, prompts: list[dict],
     staging.mkdir(parents=True)
     try:
         return _pack(out, staging, target_dir, drafter_dir, prompts, gguf, wheels, chunk_bytes,
-                     limit_bytes, tracked, budget)
+                     limit_bytes, tracked, budget, compress_min_saving)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def _pack(out, staging, target_dir, drafter_dir, prompts, gguf, wheels, chunk_bytes,
-          limit_bytes, tracked, budget) -> dict:
+          limit_bytes, tracked, budget, compress_min_saving) -> dict:
 
     files: list[tuple[str, Path]] = []  # (path in the payload, source)
     # With a GGUF, the tokenizer comes out of its conversion and the prompts travel as ids.
@@ -138,7 +161,7 @@ def _pack(out, staging, target_dir, drafter_dir, prompts, gguf, wheels, chunk_by
     weights = gguf if gguf is not None else target_dir / "model.safetensors"
     files.append((f"target/{weights.name}", weights))
     repo_files = {}
-    drafter_in_repo = all(is_tracked(drafter_dir / n) for n in DRAFTER_FILES
+    drafter_in_repo = all(in_device_tree(drafter_dir / n) for n in DRAFTER_FILES
                           if (drafter_dir / n).exists())
     for name in DRAFTER_FILES:
         src = drafter_dir / name
@@ -151,6 +174,15 @@ def _pack(out, staging, target_dir, drafter_dir, prompts, gguf, wheels, chunk_by
     (staging / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     files.append(("prompts.jsonl", staging / "prompts.jsonl"))
     files += [(f"wheels/{w.name}", w) for w in wheels]
+
+    compressed = {}
+    for i, (rel, src) in enumerate(files):
+        if src.suffix == ".safetensors":
+            xz = xz_if_smaller(src, staging / f"{rel}.xz", compress_min_saving)
+            if xz is not None:
+                compressed[rel] = {"sha256": sha256(src), "bytes": src.stat().st_size,
+                                   "from": f"{rel}.xz"}
+                files[i] = (f"{rel}.xz", xz)
 
     # Cut large files into chunks; small files first, so that part1 holds everything run 1 needs.
     pieces: list[tuple[str, Path, int, int]] = []  # (payload path, source, offset, size)
@@ -174,8 +206,8 @@ def _pack(out, staging, target_dir, drafter_dir, prompts, gguf, wheels, chunk_by
         if size > budget:
             raise PayloadError(
                 f"{rel} ({size:,} bytes) cannot fit one device call: the limit is "
-                f"{limit_bytes:,} bytes and the repository's tracked files take {tracked:,} "
-                f"({budget:,} left); use a smaller --chunk-mib or track fewer bytes")
+                f"{limit_bytes:,} bytes and the device tree takes {tracked:,} "
+                f"({budget:,} left); use a smaller --chunk-mib or keep fewer files on the device")
         name = f"part{len(parts)}"
         if not parts or sizes[name] + size > budget:
             name = f"part{len(parts) + 1}"
@@ -199,6 +231,7 @@ def _pack(out, staging, target_dir, drafter_dir, prompts, gguf, wheels, chunk_by
         "bytes": {rel: size for rel, _, _, size in pieces},
         "parts": parts,
         "joined": joined,
+        "compressed": compressed,
         "repo_files": repo_files,
         "drafter": "drafter" if not drafter_in_repo
         else str(drafter_dir.resolve().relative_to(REPO)),
@@ -242,16 +275,33 @@ def stash(part_dir: Path, stash_dir: Path = DEFAULT_STASH) -> dict:
     (stash_dir / "MANIFEST.json").write_text((part_dir / "MANIFEST.json").read_text())
     have = [p for p, rels in manifest["parts"].items()
             if all((stash_dir / r).is_file() for r in rels)]
-    joined, bad = join_complete(stash_dir, manifest)
+    joined, bad = unpack_complete(stash_dir, manifest)
     if bad:
-        raise PayloadError(f"joined files do not match their digests: {bad}")
+        raise PayloadError(f"joined or decompressed files do not match their digests: {bad}")
     return {"part": part, "files": len(manifest["parts"][part]), "parts_stashed": have,
             "parts": len(manifest["parts"]), "joined": joined, "ok": True}
 
 
+def unpack_complete(stash_dir: Path, manifest: dict) -> tuple[list[str], list[str]]:
+    """Join every chunked file whose chunks are all here, then decompress every compressed file
+    that is whole (a drafter carried in part1 is ready for run 1); returns the files made and
+    those whose digest differs."""
+    joined, bad = join_complete(stash_dir, manifest)
+    for rel, spec in manifest.get("compressed", {}).items():
+        src, dst = stash_dir / spec["from"], stash_dir / rel
+        if spec["from"] in bad or not src.is_file() or (
+                spec["from"] in manifest["joined"] and spec["from"] not in joined):
+            continue
+        if not dst.is_file() or dst.stat().st_size != spec["bytes"]:
+            with lzma.open(src, "rb") as f, open(dst, "wb") as g:
+                shutil.copyfileobj(f, g, 1 << 22)
+        (bad if sha256(dst) != spec["sha256"] else joined).append(rel)
+    return joined, bad
+
+
 def join_complete(stash_dir: Path, manifest: dict) -> tuple[list[str], list[str]]:
-    """Join every chunked file whose chunks are all here (a drafter carried whole in part1 is
-    ready for run 1); returns the files joined and those whose digest differs."""
+    """Join every chunked file whose chunks are all here; returns the files joined and those
+    whose digest differs."""
     joined, bad = [], []
     for rel, spec in manifest["joined"].items():
         if not all((stash_dir / c).is_file() for c in spec["chunks"]):
@@ -266,9 +316,10 @@ def join_complete(stash_dir: Path, manifest: dict) -> tuple[list[str], list[str]
     return joined, bad
 
 
-def install_wheels(stash_dir: Path = DEFAULT_STASH) -> dict:
-    """The carried wheels installed (once) into stash/site, first on sys.path."""
-    wheels = sorted((stash_dir / "wheels").glob("*.whl"))
+def install_wheels(stash_dir: Path = DEFAULT_STASH, install: bool = True) -> dict:
+    """The carried wheels installed (once) into stash/site, first on sys.path; `install` False:
+    none (a rehearsal whose python has the packages already, and is not the device's 3.12)."""
+    wheels = sorted((stash_dir / "wheels").glob("*.whl")) if install else []
     site = stash_dir / "site"
     marker = site / ".installed"
     names = [w.name for w in wheels]
@@ -285,12 +336,13 @@ def install_wheels(stash_dir: Path = DEFAULT_STASH) -> dict:
 
 
 def verify_repo_files(manifest: dict, repo: Path = REPO) -> list[str]:
-    """The repository's files the payload relies on (the tracked drafter) whose digest differs."""
+    """The device tree's files the payload relies on (a drafter kept there) whose digest differs."""
     return [rel for rel, digest in manifest["repo_files"].items()
             if not (repo / rel).is_file() or sha256(repo / rel) != digest]
 
 
-def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True) -> dict:
+def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True,
+             install: bool = True) -> dict:
     """Every part present and checked, chunks joined, the GGUF converted; returns where the
     target and drafter are and what was checked."""
     manifest = json.loads((stash_dir / "MANIFEST.json").read_text())
@@ -301,16 +353,17 @@ def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True) -> dict:
                            "call stashes its part in /tmp, so the calls must follow one another "
                            "on the same warm machine")
     bad = [rel for rel, d in manifest["files"].items() if sha256(stash_dir / rel) != d]
-    bad += join_complete(stash_dir, manifest)[1]
+    bad += unpack_complete(stash_dir, manifest)[1]
     bad += [f"repo:{rel}" for rel in verify_repo_files(manifest)]
     if bad:
         raise PayloadError(f"digests do not match for {bad}")
     target = stash_dir / "target"
     weights = stash_dir / manifest["weights"]
     out = {"files": len(manifest["files"]), "joined": sorted(manifest["joined"]),
+           "decompressed": sorted(manifest.get("compressed", {})),
            "repo_files": len(manifest["repo_files"]), "digests_ok": True}
     if weights.suffix == ".gguf" and convert:
-        target = convert_gguf(weights, stash_dir, manifest)
+        target = convert_gguf(weights, stash_dir, install)
     if manifest["tensors"] and (target / "model.safetensors").is_file():
         got = tensor_digests(target / "model.safetensors")
         want = manifest["tensors"]
@@ -324,12 +377,12 @@ def assemble(stash_dir: Path = DEFAULT_STASH, convert: bool = True) -> dict:
     return out
 
 
-def convert_gguf(gguf: Path, stash_dir: Path, manifest: dict) -> Path:
+def convert_gguf(gguf: Path, stash_dir: Path, install: bool = True) -> Path:
     """`dspark fetch-model`'s conversion into stash/model (the carried `gguf` wheel installed)."""
     folder = stash_dir / "model"
     if (folder / "model.safetensors").is_file():
         return folder
-    install_wheels(stash_dir)
+    install_wheels(stash_dir, install)
     from dspark.fetch import _convert
 
     tmp = stash_dir / "model.tmp"

@@ -36,6 +36,9 @@ EXEMPT = {
                             "is tested in tests/test_rejection.py and tests/test_seeded_repeats.py",
     "seeded_repeat.py": "the real model beside other requests; tests/test_seeded_repeats.py runs "
                         "the same check on the tiny target",
+    "seeded_tau.py": "tau of seeded against unseeded requests on the real model and the shipped "
+                     "drafter; tests/test_seeded_repeats.py tests the seeded path on the tiny "
+                     "target",
     "q4_linear.py": "times the block kernel on the real model's GGUF layer shapes; "
                     "tests/models/test_block_linear.py tests the kernel",
     "q4_decode_interleaved.py": "decode steps of the real model's GGUF blocks; "

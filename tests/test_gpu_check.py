@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from .conftest import REPO_ROOT
 
@@ -27,3 +28,21 @@ def test_the_device_check_rehearses_on_the_cpu(tmp_path):
     assert "services / embedded" in results["(d) services in process"]["users=1"]
     table = (tmp_path / "gpu.md").read_text()
     assert f"torch {results['environment']['torch']}" in table
+
+
+def test_a_phase_that_swallows_exceptions_still_stops_at_its_budget(tmp_path):
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import gpu_check
+
+    def stubborn(deadline):  # as a fallback that catches every Exception while it waits
+        while True:
+            try:
+                time.sleep(0.02)
+            except Exception:  # noqa: BLE001
+                pass
+
+    results: dict = {}
+    start = time.monotonic()
+    gpu_check.run_phases(results, [("stubborn", 1.0, stubborn)], tmp_path, 0.3)
+    assert time.monotonic() - start < 5
+    assert results["stubborn"]["error"].startswith("PhaseBudgetSpent"), results

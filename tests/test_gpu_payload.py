@@ -33,13 +33,13 @@ def tiny(tmp_path_factory):
     return build_tiny_models(tmp_path_factory.mktemp("tiny"))
 
 
-def pack(tiny, out: Path, limit_mib: float = LIMIT_MIB) -> subprocess.CompletedProcess:
+def pack(tiny, out: Path, limit_mib: float = LIMIT_MIB, *extra) -> subprocess.CompletedProcess:
     prompts = out.parent / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"t{i} t{i + 1} t{i + 2}"]}) + "\n"
                                for i in range(5, 13)))
     return gpu_check("pack", "--safetensors", "--target-dir", tiny.target_dir, "--drafter-dir",
                      tiny.drafter_dir, "--prompts-file", prompts, "--out", out, "--chunk-mib",
-                     0.05, "--limit-mib", limit_mib, "--tracked-bytes", 0, timeout=300)
+                     0.05, "--limit-mib", limit_mib, "--tracked-bytes", 0, *extra, timeout=300)
 
 
 def test_pack_cuts_the_payload_into_parts_within_the_bound(tiny, tmp_path):
@@ -88,7 +88,9 @@ def test_run1_fails_on_a_corrupted_file(tiny, tmp_path):
 
 
 def test_pack_run1_run2_rehearse_on_the_cpu(tiny, tmp_path):
-    assert pack(tiny, tmp_path / "check").returncode == 0
+    # Every .safetensors compressed (the tiny models' random float32 weights would not be by
+    # default), so that the parts carry xz chunks that run 1 and run 2 join and decompress.
+    assert pack(tiny, tmp_path / "check", LIMIT_MIB, "--compress-min-saving", -1).returncode == 0
     parts = sorted((tmp_path / "check").iterdir())
     stash = tmp_path / "stash"
 
@@ -115,7 +117,8 @@ def test_pack_run1_run2_rehearse_on_the_cpu(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     run2 = json.loads((tmp_path / "run2" / "gpu.json").read_text())
     assembled = run2["payload assembled"]
-    assert assembled["digests_ok"] and "target/model.safetensors" in assembled["joined"]
+    assert assembled["digests_ok"] and "target/model.safetensors.xz" in assembled["joined"]
+    assert assembled["decompressed"] == ["drafter/model.safetensors", "target/model.safetensors"]
     n = len(json.loads((parts[0] / "MANIFEST.json").read_text())["tensors"])
     assert assembled["tensors"] == f"{n}/{n} identical to the prepared target"
     assert all(v == "3/3" for k, v in run2["(a) exactness"].items() if "/" in str(v))

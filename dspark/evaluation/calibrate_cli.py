@@ -93,7 +93,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "temperatures, _t<T> is added before .png)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-running", type=int, default=8, help="prompts generated together")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    add_device_argument(parser)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true",

@@ -158,6 +158,11 @@ class DrafterServiceConfig(TracingFields, InternalTokenFields):
     dtype: str = _field("float32", "float32 | bfloat16")
     device: str = _field("auto", "torch device: auto (CUDA when available), cpu, cuda, cuda:N")
     threads: int = _field(1, "torch CPU threads")
+    verification: str = _field("token", "token | block | drafter-invariant: the verifier's rule, "
+                                        "the same as its --verification; under drafter-invariant "
+                                        "sampled drafts are Gumbel-max samples with the "
+                                        "target's noise, which that rule accepts iff equal to "
+                                        "the target's sample")
     grace_seconds: float = _field(5.0, "on SIGTERM, seconds to finish in-flight rounds")
     idle_expiry_seconds: float = _field(600.0, "free a request's context after this long without "
                                                "a round (a scheduler that died); 0 = never")
@@ -168,6 +173,9 @@ class DrafterServiceConfig(TracingFields, InternalTokenFields):
             raise ValueError("idle_expiry_seconds must be >= 0")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
+        from dspark.rejection import VerificationRule
+
+        VerificationRule(self.verification)  # ValueError names the bad value
         self._check_tracing()
 
 

@@ -11,11 +11,17 @@ import torch
 
 from dspark.logprobs import TokenLogprobs, check_num_top
 from dspark.models.draft_types import DraftBlock
+from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 from dspark.serving import tensor_codec
 from dspark.serving.protos import pb
 
-def sampling_to_pb(params: SamplingParams) -> "pb.common.SamplingParams":
+def sampling_to_pb(params: SamplingParams, generator: CounterGenerator | None = None
+                   ) -> "pb.common.SamplingParams":
+    """`generator`: the scheduler's for this request; its seed goes in the message when the
+    request has none of its own (a fresh one, drawn at admission), so that the verifier and the
+    drafter services key the request's numbers alike, as the embedded engine's one generator
+    does (the drafter-invariant rule's drafts use the target's noise)."""
     msg = pb.common.SamplingParams(temperature=params.temperature, top_k=params.top_k,
                                    top_p=params.top_p, min_p=params.min_p,
                                    presence_penalty=params.presence_penalty,
@@ -23,8 +29,9 @@ def sampling_to_pb(params: SamplingParams) -> "pb.common.SamplingParams":
                                    logit_bias=dict(params.logit_bias),
                                    min_tokens=params.min_tokens,
                                    stop_token_ids=list(params.stop_token_ids))
-    if params.seed is not None:
-        msg.seed = int(params.seed)
+    seed = params.seed if params.seed is not None or generator is None else generator.seed
+    if seed is not None:
+        msg.seed = int(seed)
     if params.repetition_penalty != 1.0:
         msg.repetition_penalty = params.repetition_penalty
     return msg

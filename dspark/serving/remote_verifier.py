@@ -16,6 +16,7 @@ features from there (`held_from`), and the drafter's context stays whole.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -95,6 +96,9 @@ class RemoteVerifier:
         """(generators are the scheduler's; the verifier seeds its own from sampling.seed.)"""
         ids = [str(r) for r in request_ids]
         logprobs = [None] * len(ids) if logprobs is None else logprobs
+        # The seed each request is sent with (its own, else the scheduler's fresh one), kept for
+        # a restore, so that the verifier keys the request as the drafter does.
+        sampling = [seeded(s, g) for s, g in zip(sampling, generators)]
         request = pb.verifier.PrefillRequest(items=[
             pb.verifier.PrefillItem(request_id=rid, prompt_ids=list(p),
                                     sampling=messages.sampling_to_pb(s), logprobs=k)
@@ -119,10 +123,11 @@ class RemoteVerifier:
             items.append(pb.verifier.VerifyItem(
                 request_id=str(req.request_id), anchor_token=int(req.anchor_token),
                 draft_tokens=tokens, draft_probs=probs, draft_indices=indices,
-                sampling=messages.sampling_to_pb(req.sampling),
+                sampling=messages.sampling_to_pb(req.sampling, req.generator),
                 hold_features=req.hold_features, logprobs=req.logprobs))
         chunks = [pb.verifier.PrefillItem(request_id=str(c.request_id), prompt_ids=list(c.token_ids),
-                                          sampling=messages.sampling_to_pb(c.sampling),
+                                          sampling=messages.sampling_to_pb(c.sampling,
+                                                                           c.generator),
                                           continued=c.continued, more=not c.final,
                                           hold_features=c.hold_features,
                                           logprobs=c.logprobs if c.final else None,
@@ -179,7 +184,7 @@ class RemoteVerifier:
         for chunk, token in zip(prefill, first):
             rid = str(chunk.request_id)
             if not chunk.continued or rid not in self._history:
-                self._history[rid] = _History([], chunk.sampling)
+                self._history[rid] = _History([], seeded(chunk.sampling, chunk.generator))
             history = self._history[rid]
             history.prompt_ids += list(chunk.token_ids)
             if chunk.prompt_length is not None:
@@ -281,3 +286,10 @@ def _asked_logprobs(results, num_tokens: Sequence[int], asked: Sequence[int | No
                                "(a verifier without logprobs support?)")
         out.append(got)
     return out
+
+
+def seeded(sampling: SamplingParams, generator: CounterGenerator | None) -> SamplingParams:
+    """`sampling` with the seed its message carries (messages.sampling_to_pb)."""
+    if sampling.seed is not None or generator is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=generator.seed)

@@ -90,7 +90,7 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
         out.append((ServiceProcess("drafter", [
             "services.drafter", "--port", str(args.drafter_port),
             "--drafter-dir", str(drafter_dir), *model, *common,
-            "--threads", str(threads.drafter)], log_dir,
+            "--threads", str(threads.drafter), "--verification", args.verification], log_dir,
             env=secret_env("DRAFTER")),
             f"127.0.0.1:{args.drafter_port}"))
     scheduler = ["services.scheduler", "--host", args.host, "--http-port", str(args.port),

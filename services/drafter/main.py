@@ -23,6 +23,7 @@ def build_servicer(config: DrafterServiceConfig, tracer):
     from dspark.fetch import ensure_model
     from dspark.paths import DEFAULT_DRAFTER
     from dspark.models.drafter_config import DrafterConfig
+    from dspark.rejection import VerificationRule
     from services.drafter.servicer import DrafterServicer
 
     torch.set_num_threads(config.threads)
@@ -38,7 +39,7 @@ def build_servicer(config: DrafterServiceConfig, tracer):
     del host
     drafter = load_method_drafter(drafter_dir, head, apply_calibration=True)
     return DrafterServicer(drafter, head.vocab_size, list(layer_ids), drafter_dir.name, tracer,
-                           config.idle_expiry_seconds)
+                           config.idle_expiry_seconds, VerificationRule(config.verification))
 
 
 def target_head(runner, device: str):

@@ -3,9 +3,12 @@
 
 Per DraftRound: releases, then context updates (a `reset` first drops what is held: the
 scheduler's resync after this process restarted), then one batched `draft` call; the blocks are
-streamed back one message per request. A seeded request's drafts are keyed by its seed here as
-in the embedded engine (dspark.random_draws; the DRAFT purpose keeps them apart from the
-verifier's numbers). One lock: the model drafts one round at
+streamed back one message per request. A request's drafts are keyed by its seed here as in the
+embedded engine (dspark.random_draws; the DRAFT purpose keeps them apart from the verifier's
+numbers); the scheduler sends every request's seed, its own fresh one for an unseeded request, so
+that drafter and verifier key one request alike. Under the drafter-invariant rule (`rule`, the
+verifier's) the drafts are Gumbel-max samples with the noise the target samples with, as the
+embedded engine drafts (dspark.gumbel_verification.request_generator). One lock: the model drafts one round at
 a time even if two schedulers are connected.
 """
 
@@ -14,10 +17,12 @@ from __future__ import annotations
 import threading
 
 import grpc
-import torch
 from opentelemetry import propagate
 
+from dspark.gumbel_verification import request_generator
 from dspark.models.draft_types import DraftRequest, Drafter
+from dspark.random_draws import CounterGenerator
+from dspark.rejection import VerificationRule
 from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_errors import HANDLED, abort_with
 from dspark.serving.idle_expiry import IdleExpiry
@@ -26,14 +31,16 @@ from dspark.serving.protos import pb, rpc
 
 class DrafterServicer(rpc.drafter.DrafterServicer):
     def __init__(self, drafter: Drafter, vocab_size: int, target_layer_ids: list[int], name: str,
-                 tracer, idle_expiry_seconds: float = 0.0) -> None:
+                 tracer, idle_expiry_seconds: float = 0.0,
+                 rule: VerificationRule = VerificationRule.TOKEN) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.target_layer_ids = target_layer_ids
         self.name = name
         self.tracer = tracer
+        self.rule = VerificationRule(rule)
         self._lock = threading.Lock()
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._generators: dict[str, CounterGenerator] = {}
         self._idle = IdleExpiry(idle_expiry_seconds)
 
     def _release(self, request_id: str) -> None:
@@ -72,7 +79,7 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
                 # The verifier's seed: the drafter's uniforms are its own purpose (DRAFT) of the
                 # same key (dspark.random_draws), never the verifier's.
                 params = messages.sampling_from_pb(item.sampling)
-                self._generators[item.request_id] = params.generator()
+                self._generators[item.request_id] = request_generator(params, self.rule)
             if not (0 <= item.anchor_token < self.vocab_size) or item.anchor_position < 0:
                 raise ValueError(f"{item.request_id}: anchor token or position out of range")
             requests.append(DraftRequest(item.request_id, int(item.anchor_token),

@@ -385,8 +385,8 @@ def services(models: Models, device: str, dtype: str, args) -> dict:
 def attention_backends(device: str, args, deadline: float) -> dict:
     """bench/attention_backends.py in a subprocess until `deadline` (its rows so far if stopped):
     per batch shape and backend, the pass time and the largest difference from the reference."""
-    small = ["--batches", "1,2", "--context", "32", "--chunk", "16", "--layers", "2",
-             "--repeats", "1"] if args.tiny else ["--repeats", "5"]
+    small = ["--batches", "1,2", "--new-tokens", "4,1", "--context", "32", "--chunk", "16",
+             "--layers", "2", "--repeats", "1"] if args.tiny else ["--repeats", "5"]
     cmd = [sys.executable, "-u", str(REPO / "bench" / "attention_backends.py"), "--device",
            "cuda" if device.startswith("cuda") else "cpu", *small]
     try:

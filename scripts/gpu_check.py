@@ -13,7 +13,9 @@ Run 2 (`--run 2`):
       greedy and T=1, and transformers `generate` and prompt-lookup decoding at 1 stream;
   (d) the verifier and drafter as gRPC services in this process (the scheduler's engine over
       RemoteVerifier / RemoteDrafter; no FastAPI, uvicorn or Redis needed) at 1 and the largest
-      of `--users`, against the embedded engine.
+      of `--users`, against the embedded engine;
+  (e) the attention implementations side by side (bench/attention_backends.py: padded SDPA,
+      FlexAttention, the Triton kernel; pass times and the difference from the reference).
 Every figure is written with the device name and the torch and CUDA versions beside it:
 `--out`/gpu.json and `--out`/gpu.md (docs/results/ when committed).
 
@@ -383,6 +385,31 @@ def services(models: Models, device: str, dtype: str, args) -> dict:
             s.stop(None)
 
 
+def attention_backends(device: str, args, deadline: float) -> dict:
+    """bench/attention_backends.py in a subprocess until `deadline` (its rows so far if stopped):
+    per batch shape and backend, the pass time and the largest difference from the reference."""
+    small = ["--batches", "1,2", "--new-tokens", "4,1", "--context", "32", "--chunk", "16",
+             "--layers", "2", "--repeats", "1"] if args.tiny else ["--repeats", "5"]
+    cmd = [sys.executable, "-u", str(REPO / "bench" / "attention_backends.py"), "--device",
+           "cuda" if device.startswith("cuda") else "cpu", *small]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                              timeout=max(deadline - time.monotonic(), 1.0))
+        stdout, ended = proc.stdout, proc.returncode == 0
+    except subprocess.TimeoutExpired as stopped:
+        stdout, ended = stopped.stdout or "", False
+        if isinstance(stdout, bytes):  # TimeoutExpired keeps bytes even under text=True
+            stdout = stdout.decode(errors="replace")
+    lines = stdout.strip().splitlines()
+    if ended and lines:
+        summary = json.loads(lines[-1])
+        out = {f"{r['batch']} {r['backend']}": (r.get("error") or f"{r['pass_ms']:.3f} ms per pass, "
+                                                  f"max |diff| {r['max_diff']:.1e}")
+               for r in summary["rows"]}
+        return {**out, "fastest": summary["fastest"], "skipped": summary["skipped"]}
+    return {"stopped before the end": "\n".join(lines[-40:])}
+
+
 # ------------------------------------------------------------------------------ report
 def write(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -717,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                          args)),
                    ("(c) tokens/s", 0.3, lambda d: speed(models, device, dtype, args, d)),
                    ("(d) services in process", 0.15, lambda d: services(models, device, dtype,
-                                                                        args))]
+                                                                        args)),
+                   ("(e) attention backends", 0.1, lambda d: attention_backends(device, args, d))]
     run_phases(results, phases, args.out, total)
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     print(json.dumps(results, indent=2))

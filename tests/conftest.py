@@ -4,9 +4,17 @@ build (`tiny_dspark`, a plain function: test modules import it with `from .conft
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton kernels (AttentionImpl.TRITON) run under Triton's interpreter where there is no GPU. It
+# must be chosen before triton.language is first imported: the library's own helpers are
+# compiled or interpreted from then on.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # REPO_ROOT also for the test modules that import it from here (`from .conftest import REPO_ROOT`).
 from dspark.paths import EVAL_PROMPTS_DIR, REPO_ROOT, require_folder  # noqa: F401

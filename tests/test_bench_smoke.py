@@ -101,6 +101,9 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
     """The arguments that make `script` small."""
     t, one = str(p["target"]), ["--threads", "1"]
     return {
+        "attention_backends.py": ["--device", "cpu", "--backends", "paged,padded,flex,triton",
+                                  "--batches", "1,2", "--new-tokens", "3,1", "--context", "20",
+                                  "--chunk", "16", "--layers", "2", "--repeats", "1", *one],
         "core_ops.py": ["--requests", "8", "--gamma", "4", "--repeats", "3", "--verify-requests",
                         "2", "--verify-gamma", "3", "--vocab", "64", "--sparse-k", "8",
                         "--verify-repeats", "1"],

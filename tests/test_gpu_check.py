@@ -26,6 +26,9 @@ def test_the_device_check_rehearses_on_the_cpu(tmp_path):
     assert results["(b) T=1 distribution"]["ok"]
     assert "T=0.0 streams=2 async_topk / target-only" in results["(c) tokens/s"]
     assert "services / embedded" in results["(d) services in process"]["users=1"]
+    attention = results["(e) attention backends"]  # rows, or those it had when its time ran out
+    assert "error" not in attention, attention
+    assert set(attention.get("fastest", {}).values()) <= {"paged", "padded"}, attention
     table = (tmp_path / "gpu.md").read_text()
     assert f"torch {results['environment']['torch']}" in table
 

@@ -200,13 +200,16 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 block_size: int, dtype: torch.dtype, device: torch.device | str,
+                 zeroed: bool = False) -> None:
         self.manager = BlockManager(num_blocks, block_size)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Pages of a torch.empty tensor are only committed when first written, so a generous
-        # cache costs memory only as it fills.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # cache costs memory only as it fills. `zeroed`: every slot starts finite, for an
+        # attention that multiplies masked slots by zero (AttentionImpl.FLEX).
+        allocate = torch.zeros if zeroed else torch.empty
+        self.k = allocate(shape, dtype=dtype, device=device)
+        self.v = allocate(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping [num_tokens]."""

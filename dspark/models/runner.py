@@ -32,6 +32,7 @@ from dspark.models.quantized_linear import kernel_available as block_kernel_avai
 from dspark.models.quantized_linear import kernel_isa as block_kernel_isa
 from dspark.models.paged_attention import LONG_QUERY_MIN_TOKENS, cpu_kernel_available
 from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
+from dspark.models.triton_paged_attention import triton_available
 from dspark.sampling import argmax_first
 
 __all__ = ["RunnerConfig", "WEIGHT_MODES", "choose_weights", "ForwardItem", "ForwardOutput", "TargetRunner", "KVCacheFull",
@@ -59,7 +60,8 @@ class RunnerConfig:
     """Decoder layers whose outputs `forward` returns for every new token (DeepSpec's target_layer_ids)."""
     attention: AttentionImpl | None = None
     """None: PAGED on a CPU where its C++ kernel builds (else PER_REQUEST), PADDED elsewhere (one
-    batched SDPA call per layer; no per-request launches on a GPU). See `AttentionImpl`."""
+    batched SDPA call per layer; no per-request launches on a GPU). FLEX and TRITON are the
+    paged GPU candidates (bench/attention_backends.py compares them). See `AttentionImpl`."""
     cpu_upcast_min_rows: int | None = 2
     """CPU with bf16/fp16 weights: matrix products over at least this many rows run in float32
     (transformer.Linear; measured 1.7-4x faster at 2-8 rows on an AVX2 CPU). None: never. Ignored
@@ -176,6 +178,9 @@ class TargetRunner:
         if blocks is not None:
             self.model.use_block_weights(blocks, max_rows=config.q4_max_rows if packed else None)
         self.attention = config.attention or default_attention(self.device)
+        if self.attention is AttentionImpl.TRITON and not triton_available(self.device):
+            raise ValueError(f"attention 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 "
+                             f"on a CPU); the runner is on {self.device}")
         mc = self.model_config
         bad = [i for i in config.hidden_layer_ids if not 0 <= i < mc.num_hidden_layers]
         if bad:
@@ -183,7 +188,8 @@ class TargetRunner:
         self.cache = PagedKVCache(
             num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
             num_blocks=-(-config.kv_cache_tokens // config.block_size), block_size=config.block_size,
-            dtype=self.dtype, device=self.device)
+            dtype=self.dtype, device=self.device,
+            zeroed=self.attention is AttentionImpl.FLEX)  # FlexAttention multiplies unwritten slots by 0
 
     # -- model facts ---------------------------------------------------------------------------
     @property
@@ -283,7 +289,7 @@ class TargetRunner:
         layer_ids = self.config.hidden_layer_ids
         passes = self._plan(items)
         for pieces in passes:
-            if self.attention in (AttentionImpl.PAGED, AttentionImpl.PADDED):
+            if self.attention.uses_block_tables:
                 batch, logit_rows = self._table_batch(items, old_lengths, pieces)
             else:
                 batch, logit_rows = self._flat_batch(items, old_lengths, pieces)
@@ -355,7 +361,7 @@ class TargetRunner:
 
     def _table_batch(self, items: Sequence[ForwardItem], old_lengths: list[int],
                      pieces: list[_Piece]) -> tuple[FlatBatch, list[list[int]]]:
-        """Metadata of one pass for the block-table attentions (PAGED, PADDED), built with a
+        """Metadata of one pass for the block-table attentions (PAGED, PADDED, FLEX, TRITON), built with a
         constant number of tensor ops whatever the number of requests: block tables, per-token
         positions and cache slots, query starts and context lengths."""
         manager = self.cache.manager

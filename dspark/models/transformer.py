@@ -24,6 +24,10 @@ builds, PADDED on a GPU):
   1,920 SDPA calls per step (30 layers x 64) of PER_REQUEST, each ~0.05 ms of call overhead.
 - PADDED: contexts gathered into one padded batch and one SDPA call per layer (a constant number
   of launches: what a GPU wants; on a CPU the gathered copy makes it the slowest at 256 streams).
+- FLEX, TRITON: the GPU candidates that, like PAGED, read every context in place and serve
+  prompt chunks, decode rows and verification blocks in one call per layer: FlexAttention with a
+  BlockMask built from the block tables, and a Triton kernel (docs/gpu.md, "Attention";
+  bench/attention_backends.py measures them against PADDED).
 - PER_REQUEST: one SDPA call per request over its own context (read in place when its blocks are
   consecutive); the fallback on a CPU without a compiler. Measured on a 2-core CPU
   (SmolLM2-135M fp32, 1 thread, context 300 per request, whole forward, median of 5) against
@@ -49,11 +53,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.config import ModelConfig
+from dspark.models.flex_paged_attention import FlexMask, build_flex_mask, flex_paged_attention
 from dspark.models.kv_cache import PagedKVCache
 from dspark.models.packed_linear import pack_weight, packed_linear
 from dspark.models.paged_attention import (LONG_QUERY_MIN_TOKENS, long_query_attention,
                                            paged_attention, padded_attention)
 from dspark.models.quantized_linear import BlockWeight, block_linear
+from dspark.models.triton_paged_attention import triton_paged_attention
 
 
 class AttentionImpl(enum.Enum):
@@ -71,6 +77,20 @@ class AttentionImpl(enum.Enum):
     BLOCK_DIAGONAL = "block_diagonal"
     """One SDPA call over all contexts with a block-diagonal causal mask
     (work ~ num_tokens * sum_r ctx_len_r, but one call per layer)."""
+    FLEX = "flex"
+    """One FlexAttention call per layer over the whole cache as keys and values, with a BlockMask
+    built from the block tables once per pass (`dspark.models.flex_paged_attention`; compiled on
+    CUDA, eager and slow on a CPU). The cache is allocated zeroed for it."""
+    TRITON = "triton"
+    """One launch per layer of a Triton kernel that reads every context in place through the block
+    tables, a program per (request, KV head, tile of new tokens)
+    (`dspark.models.triton_paged_attention`; CUDA, or a CPU under TRITON_INTERPRET=1 for tests)."""
+
+    @property
+    def uses_block_tables(self) -> bool:
+        """Whether the pass's metadata is block tables (rather than gathered contexts)."""
+        return self in (AttentionImpl.PAGED, AttentionImpl.PADDED, AttentionImpl.FLEX,
+                        AttentionImpl.TRITON)
 
 
 @dataclasses.dataclass
@@ -102,18 +122,20 @@ class FlatBatch:
     every layer, each [num_layers, 1, num_kv_heads, context_len, head_dim] (None: gathered). Made
     once per forward (`bind_cache`), so a layer takes a request's context with one indexing op."""
     block_tables: torch.Tensor | None = None
-    """PAGED / PADDED: int64 [num_requests, max_blocks], each request's blocks in order (a short
-    table is padded with block 0, never read)."""
+    """PAGED / PADDED / FLEX / TRITON: int64 [num_requests, max_blocks], each request's blocks in
+    order (a short table is padded with block 0, never read)."""
     query_start: torch.Tensor | None = None
-    """PAGED: int64 [num_requests + 1], request r's new tokens are rows query_start[r] .. query_start[r+1]-1."""
+    """PAGED / FLEX / TRITON: int64 [num_requests + 1], request r's new tokens are rows query_start[r] .. query_start[r+1]-1."""
     query_lens_t: torch.Tensor | None = None
     """PADDED: int64 [num_requests], `query_lens` on the device."""
     context_lens_t: torch.Tensor | None = None
-    """PAGED / PADDED: int64 [num_requests], `context_lens` on the device."""
+    """PAGED / PADDED / FLEX / TRITON: int64 [num_requests], `context_lens` on the device."""
     long_queries: list[tuple[int, int, int, torch.Tensor]] = dataclasses.field(default_factory=list)
     """PAGED: (first token row, new tokens, context length, context cache slots [context_len]
     int64) of each request with at least `LONG_QUERY_MIN_TOKENS` new tokens (the kernel skips
     them; SDPA runs them, `long_query_attention`)."""
+    flex_mask: FlexMask | None = None
+    """FLEX: the BlockMask every layer shares (`build_flex_mask`)."""
     block_mask: torch.Tensor | None = None
     """BLOCK_DIAGONAL: bool [group * num_tokens, num_context_blocks * block_size]."""
     unused_rows: torch.Tensor | None = None
@@ -137,8 +159,12 @@ class FlatBatch:
     def prepare(self, impl: AttentionImpl, group: int, cache: PagedKVCache) -> None:
         """Build the attention masks and context views `impl` needs (once per forward, before the layers)."""
         device = self.token_ids.device
-        if impl in (AttentionImpl.PAGED, AttentionImpl.PADDED):
-            assert self.block_tables is not None, "PAGED / PADDED batches carry block tables"
+        if impl.uses_block_tables:
+            assert self.block_tables is not None, f"{impl.name} batches carry block tables"
+            if impl is AttentionImpl.FLEX:
+                self.flex_mask = build_flex_mask(self.block_tables, self.query_start, self.context_lens_t,
+                                                 self.positions, cache.manager.num_blocks,
+                                                 cache.manager.block_size)
             return
         if impl is AttentionImpl.PER_REQUEST:
             self.bind_cache(cache)
@@ -323,6 +349,12 @@ class Attention(nn.Module):
             out = padded_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
                                    batch.query_lens_t, batch.context_lens_t, self.scale,
                                    max(batch.query_lens), max(batch.context_lens))
+        elif impl is AttentionImpl.TRITON:
+            out = triton_paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
+                                         batch.query_start, batch.context_lens_t, self.scale,
+                                         max(batch.query_lens))
+        elif impl is AttentionImpl.FLEX:
+            out = flex_paged_attention(q, cache.k[layer], cache.v[layer], batch.flex_mask, self.scale)
         elif impl is AttentionImpl.BLOCK_DIAGONAL:
             out = self._block_diagonal(q, batch, cache, layer)
         else:

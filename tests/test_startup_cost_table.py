@@ -143,3 +143,14 @@ def test_implausible_cached_table_is_measured_again(tmp_path, caplog):
     assert table.batch_tokens == list(SIZES)
     assert CostTable.load(path).step_seconds == pytest.approx([clean_seconds(b) for b in SIZES])
     assert runner.forwards_by_b == {b: FORWARDS_PER_ATTEMPT for b in SIZES}
+
+
+def test_scheduler_ignores_an_implausible_stored_table():
+    from services.scheduler.main import plausible_stored_table
+
+    logger = logging.getLogger("test.scheduler")
+    clean = CostTable.from_step_seconds({b: clean_seconds(b) for b in SIZES})
+    assert plausible_stored_table(clean.to_dict(), "m", logger).step_seconds == clean.step_seconds
+    bad = CostTable.from_step_seconds({1: 0.408, 2: 1.435, 4: 0.490})
+    assert plausible_stored_table(bad.to_dict(), "m", logger) is None
+    assert plausible_stored_table(None, "m", logger) is None

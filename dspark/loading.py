@@ -34,7 +34,7 @@ from dspark.models.drafter_io import AnyDrafter, load_drafter
 from dspark.models.packed_linear import packing_available
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.rejection import VerificationRule
-from dspark.step_timing import startup_cost_table
+from dspark.step_timing import cached_startup_cost_table
 from dspark.verifier import TargetVerifier
 
 
@@ -148,8 +148,9 @@ def load_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: s
                 verification: str = "token", weights: str | None = None):
     """The embedded engine over the target in `model_dir` and the drafter in `drafter_dir` (none
     when it is None or the policy is `none`); returns (engine, tokenizer). The cost table SPS(B)
-    is read from `cost_table_path` when that file exists, else measured now (and saved there
-    when a path is given)."""
+    is read from `cost_table_path` when that file exists and is plausible, else measured now (and
+    saved there when a path is given and the measurement is plausible:
+    `dspark.step_timing.cached_startup_cost_table`)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -160,13 +161,7 @@ def load_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: s
                          dtype=dtype, weights=weights)
     drafter = (load_method_drafter(drafter_dir, runner, apply_calibration=True)
                if use_drafter else None)
-    if cost_table_path is not None and Path(cost_table_path).exists():
-        table = CostTable.load(cost_table_path)
-    else:
-        table = startup_cost_table(runner)
-        if cost_table_path is not None:
-            Path(cost_table_path).parent.mkdir(parents=True, exist_ok=True)
-            table.save(cost_table_path)
+    table = cached_startup_cost_table(runner, cost_table_path)
     config = EngineConfig(AdmissionConfig(policy=parsed),
                           batching=BatchingConfig(max_running=max_running),
                           sparse_top_k=sparse_top_k)

@@ -108,8 +108,24 @@ def connect_cohort(config: SchedulerConfig, metrics, logger, cost_table) -> Coho
     return Cohort(verifier, drafter, build_engine(verifier, drafter, table, engine_config))
 
 
-def start(config: SchedulerConfig) -> Scheduler:
+def plausible_stored_table(stored: dict | None, name: str, logger):
+    """The CostTable stored for `name` (a dict from the store, or None), or None when there is
+    none or its profile is implausible (dspark.step_timing.implausibility): the verifier measures
+    a fresh one at every start, so a table measured on a busy machine does not outlive a restart."""
     from dspark.cost_table import CostTable
+    from dspark.step_timing import implausibility
+
+    if not stored:
+        return None
+    table = CostTable.from_dict(stored)
+    problem = implausibility(table.batch_tokens, table.step_seconds)
+    if problem is None:
+        return table
+    logger.warning("ignoring the stored cost table %s (%s): taking the verifier's", name, problem)
+    return None
+
+
+def start(config: SchedulerConfig) -> Scheduler:
     from dspark.fetch import ensure_model
     from dspark.stop_tokens import stop_token_ids
     from dspark.serving import grpc_runtime
@@ -134,8 +150,7 @@ def start(config: SchedulerConfig) -> Scheduler:
     probe = RemoteVerifier(config.verifier, config.verifier_wait_seconds,
                            internal_token=config.internal_token_value)
     name = probe.name  # the cost table is stored under the target's name
-    stored_table = store.load_cost_table(name)
-    table = CostTable.from_dict(stored_table) if stored_table else probe.cost_table()
+    table = plausible_stored_table(store.load_cost_table(name), name, logger) or probe.cost_table()
     probe.close()
     store.save_cost_table(name, table.to_dict())
     cohorts = [connect_cohort(config, metrics, logger, table) for _ in range(config.cohorts)]

@@ -151,13 +151,20 @@ class Engine:
                     max_tokens: int = 128, stop_token_ids: Sequence[int] = (),
                     request_id: Hashable | None = None, logprobs: int | None = None) -> Hashable:
         """`logprobs`: report the target's log-probabilities of the output tokens with this
-        many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none."""
+        many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none. A sampling
+        with min_tokens holds `stop_token_ids` back until then (SamplingParams.stop_token_ids)."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if logprobs is not None:
             check_num_top(logprobs)
+        if sampling.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens, got {sampling.min_tokens} > "
+                             f"{max_tokens}")
+        if sampling.min_tokens:  # the tokens it holds back: this request's stop tokens
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(
+                set(sampling.stop_token_ids) | set(stop_token_ids)))
         rid = next(self._ids) if request_id is None else request_id
         generator = request_generator(sampling, getattr(self.verifier, "rule", None))
         self.batcher.add(Request(rid, list(prompt_ids), sampling, max_tokens,

@@ -32,12 +32,12 @@ and rejection sampling. It takes the forward's logit rows [num_verify_rows + num
 vocab_size] and the `PackedRound` (per request: its id, sampling parameters, anchor position and
 admitted drafts; per final chunk: its request and prompt length) and returns the rows that
 rejection sampling and first-token sampling turn into p^t through each request's sampling
-transform (dspark.sampling.probs_from_logits). Per-request logits processing (penalties,
-logit_bias, min_tokens, grammar masks) belongs there: row j of request r is the target's
-prediction after r's committed tokens, its anchor and its drafts x_1..x_j. Processing that
-depends on what a request has produced keeps that state across rounds; `commit` is where each
-request's committed output is known (`VerifyOutput.output_tokens`: the accepted drafts, then the
-recovered or bonus token, the next round's anchor), so that state is updated there.
+transform (dspark.sampling.probs_from_logits). Per-request logits processing
+(dspark.logits_processing: vLLM's logit_bias, min_tokens and penalties, and any RowProcessor
+plugged in) is applied there, on a copy: row j of request r is the target's prediction after
+r's tokens, its anchor and its drafts x_1..x_j. Its state follows the KV cache: `observe_forward`
+feeds it what the forward read (chunk tokens, each anchor) before `target_rows`, and `commit`
+the accepted drafts (the recovered or bonus token is the next round's anchor).
 Log-probabilities (dspark.logprobs) read the forward's logits as they came.
 
 Positions: a request whose KV cache holds n tokens has its anchor at position n. A round feeds
@@ -46,6 +46,7 @@ Positions: a request whose KV cache holds n tokens has its anchor at position n.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Hashable, Sequence
@@ -54,6 +55,7 @@ import torch
 
 from dspark.draft_packing import DraftProbs, pack_draft_probs
 from dspark.feature_stash import FeaturePiece, FeatureStash
+from dspark.logits_processing import LogitsProcessing
 from dspark.logprobs import TokenLogprobs, grouped_token_logprobs
 from dspark.models.draft_types import DraftBlock
 from dspark.models.runner import ForwardItem, ForwardOutput, TargetRunner
@@ -109,6 +111,10 @@ class PrefillChunk:
     logprobs: int | None = None
     """A final chunk: return the first token's log-probability with this many top alternatives
     (dspark.logprobs); None = none."""
+    prompt_length: int | None = None
+    """A preempted request re-reading its output (engine recomputation, a restore): its prompt's
+    length; the tokens from that position on are output to its logits processing (penalties,
+    min_tokens). None: the chunk is prompt."""
 
 
 @dataclass
@@ -241,21 +247,34 @@ def pack_round(requests: Sequence[VerifyRequest], prefill: Sequence[PrefillChunk
                           for c in prefill if c.final])
 
 
-def target_rows(logits: torch.Tensor, packed: PackedRound) -> TargetRows:
+def target_rows(logits: torch.Tensor, packed: PackedRound,
+                processing: LogitsProcessing | None = None) -> TargetRows:
     """The one step where the forward's logits become the rows of the target's distributions:
-    logits [num_verify_rows + num_final_chunks, vocab_size] -> TargetRows. Per-request logits
-    processing goes here (see the module docstring)."""
+    logits [num_verify_rows + num_final_chunks, vocab_size] -> TargetRows. `processing`: the
+    requests' logits processing (dspark.logits_processing), having observed what the forward
+    read (TargetVerifier.observe_forward); request r's row j is processed after its tokens and
+    drafts x_1..x_j, a final chunk's row after its prompt. Without processed requests the rows
+    are the logits themselves (no copy)."""
     rows = packed.num_verify_rows
     assert logits.shape[0] == rows + len(packed.final_chunks), (logits.shape, rows)
+    if processing:
+        starts = itertools.accumulate((len(d) + 1 for d in packed.drafts), initial=0)
+        finals = itertools.count(rows)
+        logits = processing.apply(logits, [
+            *((r.request_id, start, d) for r, d, start in zip(packed.requests, packed.drafts,
+                                                               starts)),
+            *((c.request_id, next(finals), ()) for c in packed.final_chunks)])
     return TargetRows(verify=logits[:rows], first=logits[rows:])
 
 
 def verify_round(packed: PackedRound, logits: torch.Tensor,
-                 rule: VerificationRule = VerificationRule.TOKEN) -> RoundVerdict:
-    """Step 2, pure and batched: the forward's logits [num_verify_rows + num_final_chunks,
-    vocab_size] -> each request's verdict and each final chunk's first token. One device read
-    for the verdicts, one for the first tokens."""
-    target = target_rows(logits, packed)
+                 rule: VerificationRule = VerificationRule.TOKEN,
+                 processing: LogitsProcessing | None = None) -> RoundVerdict:
+    """Step 2, batched: the forward's logits [num_verify_rows + num_final_chunks, vocab_size]
+    -> each request's verdict and each final chunk's first token (`processing`: as
+    target_rows takes it; it is read, not changed). One device read for the verdicts, one for
+    the first tokens."""
+    target = target_rows(logits, packed, processing)
     batch, num_accepted, output_tokens = None, [], []
     if packed.requests:
         batch = VerifyBatch(draft_tokens=packed.draft_tokens, draft_lens=packed.draft_lens,
@@ -285,6 +304,8 @@ class TargetVerifier:
         """How sampled requests' drafts are accepted; greedy ones follow the token rule always."""
         self.stash = FeatureStash()
         """Features of items marked hold_features, until `take_features`."""
+        self.processing = LogitsProcessing(runner.vocab_size, runner.device)
+        """Each request's logits processing (dspark.logits_processing), from its first chunk."""
 
     @property
     def vocab_size(self) -> int:
@@ -302,11 +323,15 @@ class TargetVerifier:
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
                 generators: Sequence[CounterGenerator | None],
-                logprobs: Sequence[int | None] | None = None) -> PrefillOutput:
-        """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks)."""
+                logprobs: Sequence[int | None] | None = None,
+                prompt_lengths: Sequence[int | None] | None = None) -> PrefillOutput:
+        """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks);
+        `prompt_lengths`: per request as PrefillChunk.prompt_length (None: all prompts)."""
         logprobs = [None] * len(request_ids) if logprobs is None else logprobs
-        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k)
-                  for rid, p, s, g, k in zip(request_ids, prompts, sampling, generators, logprobs)]
+        prompt_lengths = [None] * len(request_ids) if prompt_lengths is None else prompt_lengths
+        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k, prompt_length=n)
+                  for rid, p, s, g, k, n in zip(request_ids, prompts, sampling, generators,
+                                                logprobs, prompt_lengths)]
         out = self.verify([], chunks).prefill
         return PrefillOutput([int(t) for t in out.first_tokens], out.features, out.logprobs)
 
@@ -317,18 +342,22 @@ class TargetVerifier:
             if chunk.continued != self.runner.has_request(chunk.request_id):
                 state = "unknown" if chunk.continued else "already held"
                 raise ValueError(f"prefill chunk of {chunk.request_id!r}: request {state}")
-        new = [c.request_id for c in prefill if not c.continued]
-        for rid in new:
-            self.runner.add_request(rid)
+        new = [c for c in prefill if not c.continued]
+        for chunk in new:
+            self.runner.add_request(chunk.request_id)
         try:
+            for chunk in new:
+                self.processing.start(chunk.request_id, chunk.sampling)
             packed = self.pack(requests, prefill)
             start = time.perf_counter()
             out = self.runner.forward(packed.items)  # logits: l_r + 1 rows a request, 1 a final chunk
             step_seconds = time.perf_counter() - start
+            self.observe_forward(packed)
             return self.commit(packed, out, self.verify_packed(packed, out.logits), step_seconds)
         except BaseException:
-            for rid in new:
-                self.runner.free(rid)
+            for chunk in new:
+                self.runner.free(chunk.request_id)
+                self.processing.release(chunk.request_id)
             raise
 
     def pack(self, requests: Sequence[VerifyRequest],
@@ -339,10 +368,23 @@ class TargetVerifier:
                           chunk_starts=[self.runner.length(c.request_id) for c in prefill],
                           vocab_size=self.vocab_size, device=self.runner.device)
 
+    def observe_forward(self, packed: PackedRound) -> None:
+        """The tokens the round's forward read enter their requests' logits processing (after
+        the forward: a forward the KV cache refused changes nothing): each chunk's tokens and
+        each verified request's anchor; `commit` adds the accepted drafts. A request without
+        processing costs a dictionary look-up."""
+        if not self.processing:
+            return
+        for req in packed.requests:
+            self.processing.observe_output(req.request_id, (req.anchor_token,))
+        for chunk in packed.chunks:
+            self.processing.observe(chunk.request_id, chunk.token_ids, chunk.prompt_length)
+
     def verify_packed(self, packed: PackedRound, logits: torch.Tensor) -> RoundVerdict:
-        """Step 2 (`verify_round`) under this verifier's rule; logits [rows, vocab_size] as the
-        forward of packed.items returned them."""
-        return verify_round(packed, logits, self.rule)
+        """Step 2 (`verify_round`) under this verifier's rule and its requests' logits
+        processing (after `observe_forward`); logits [rows, vocab_size] as the forward of
+        packed.items returned them."""
+        return verify_round(packed, logits, self.rule, self.processing)
 
     def commit(self, packed: PackedRound, out: ForwardOutput, verdict: RoundVerdict,
                step_seconds: float) -> VerifyOutput:
@@ -355,6 +397,7 @@ class TargetVerifier:
         for i, (req, old, accepted) in enumerate(zip(requests, packed.anchor_positions,
                                                      verdict.num_accepted)):
             self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
+            self.processing.observe_output(req.request_id, verdict.output_tokens[i][:accepted])
             flat = self._flat_features(out.hidden_of(i)[:1 + accepted]
                                        if out.hidden is not None else None)
             # Once a request holds features, later ones are held too: its context stays in order.
@@ -411,6 +454,7 @@ class TargetVerifier:
 
     def release(self, request_id: Hashable) -> None:
         self.stash.drop(request_id)
+        self.processing.release(request_id)
         if self.runner.has_request(request_id):
             self.runner.free(request_id)
 

@@ -58,6 +58,9 @@ class _History:
     sampling: SamplingParams
     produced: list[int] = field(default_factory=list)
     """Every token produced since the prompt; the last one is the anchor (not in the KV cache)."""
+    prompt_length: int | None = None
+    """A recomputed request (its chunks re-read output): the true prompt's length; None = all of
+    prompt_ids is prompt."""
 
 
 class RemoteVerifier:
@@ -122,7 +125,8 @@ class RemoteVerifier:
                                           sampling=messages.sampling_to_pb(c.sampling),
                                           continued=c.continued, more=not c.final,
                                           hold_features=c.hold_features,
-                                          logprobs=c.logprobs if c.final else None)
+                                          logprobs=c.logprobs if c.final else None,
+                                          prompt_length=c.prompt_length)
                   for c in prefill]
         ids = [str(r.request_id) for r in requests]
         continued = [str(c.request_id) for c in prefill if c.continued]
@@ -178,6 +182,8 @@ class RemoteVerifier:
                 self._history[rid] = _History([], chunk.sampling)
             history = self._history[rid]
             history.prompt_ids += list(chunk.token_ids)
+            if chunk.prompt_length is not None:
+                history.prompt_length = chunk.prompt_length
             if token is not None:
                 history.produced.append(token)
 
@@ -249,7 +255,10 @@ class RemoteVerifier:
             items.append(pb.verifier.PrefillItem(request_id=rid,
                                                  prompt_ids=h.prompt_ids + h.produced[:-1],
                                                  sampling=messages.sampling_to_pb(h.sampling),
-                                                 held_from=self._held_from.get(rid)))
+                                                 held_from=self._held_from.get(rid),
+                                                 prompt_length=(len(h.prompt_ids)
+                                                                if h.prompt_length is None
+                                                                else h.prompt_length)))
         reply = self._stub.Prefill(pb.verifier.PrefillRequest(items=items, restore=True),
                                    metadata=outgoing_metadata(), wait_for_ready=True,
                                    timeout=max(1.0, deadline - time.monotonic()))

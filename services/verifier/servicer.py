@@ -85,7 +85,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         with self._span("verifier.prefill", context) as span:
             span.set_attribute("dspark.num_requests", len(request.items))
             try:
-                ids, prompts, params, logprobs = self._check_prefill(request)
+                ids, prompts, params, logprobs, prompt_lengths = self._check_prefill(request)
             except ValueError as e:
                 self._abort_on(context, e)
             with self._lock:
@@ -94,7 +94,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     self._release_locked(rid)
                 generators = [p.generator() for p in params]
                 try:
-                    out = self.verifier.prefill(ids, prompts, params, generators, logprobs)
+                    out = self.verifier.prefill(ids, prompts, params, generators, logprobs,
+                                                prompt_lengths)
                 except HANDLED as e:
                     self._abort_on(context, e)
                 for rid, g in zip(ids, generators):
@@ -124,7 +125,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         return ([item.request_id for item in request.items],
                 [list(item.prompt_ids) for item in request.items],
                 [messages.sampling_from_pb(item.sampling) for item in request.items],
-                [messages.num_top_from_pb(item) for item in request.items])
+                [messages.num_top_from_pb(item) for item in request.items],
+                [_prompt_length(item) for item in request.items])
 
     def _check_prompts(self, items) -> None:
         """Prompts (whole, or chunks that may continue what the cache holds): a request id,
@@ -203,7 +205,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         return PrefillChunk(item.request_id, list(item.prompt_ids), not item.more, params,
                             self._generators.get(item.request_id), continued=item.continued,
                             hold_features=item.hold_features,
-                            logprobs=messages.num_top_from_pb(item))
+                            logprobs=messages.num_top_from_pb(item),
+                            prompt_length=_prompt_length(item))
 
     def _verify_request(self, item, runner) -> VerifyRequest:
         vocab = self.verifier.vocab_size
@@ -256,3 +259,14 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         return pb.verifier.CostTableReply(batch_tokens=t.batch_tokens, step_seconds=t.step_seconds,
                                           meta_json=json.dumps(t.meta),
                                           draft_seconds=t.draft_seconds)
+
+
+def _prompt_length(item) -> int | None:
+    """A PrefillItem's `optional int64 prompt_length`: None when absent; ValueError when
+    negative."""
+    if not item.HasField("prompt_length"):
+        return None
+    if item.prompt_length < 0:
+        raise ValueError(f"{item.request_id}: prompt_length must be >= 0, got "
+                         f"{item.prompt_length}")
+    return int(item.prompt_length)

@@ -39,6 +39,7 @@ from dspark.admission import AdmissionConfig, Admitter
 from dspark.batching import Batcher, BatchingConfig
 from dspark.cost_table import CostTable
 from dspark.drafting_gate import DraftingGateConfig, RoundMode, RoundPlan
+from dspark.drafts_to_host import drafts_to_host
 from dspark.gumbel_verification import request_generator
 from dspark.held_features import HeldFeatures
 from dspark.logprobs import TokenLogprobs, check_num_top
@@ -376,8 +377,10 @@ class Engine:
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
                           r.generator) for r in drafted],
             sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
+        # Confidences [S, num_positions] for the admission and the draft tokens for the target's
+        # forward, on the host in the round's one copy before verification.
+        drafted_blocks, confidences = drafts_to_host(drafted_blocks)
         mid = time.perf_counter()
-        confidences = torch.stack([b.confidences for b in drafted_blocks]).float()  # [S, num_positions]
         # No request verifies more drafts than it may still emit (the bonus is the +1).
         caps = np.array([max(0, min(num_positions, r.max_tokens - len(r.output_ids) - 1))
                          for r in running])

@@ -139,6 +139,9 @@ class VerifyBatch:
 class VerifyResult:
     num_accepted: torch.Tensor  # [num_requests] int64, 0..l_r
     next_tokens: torch.Tensor  # [num_requests] int64: recovered token, or bonus when all accepted
+    drafts_invalid: torch.Tensor | None = None
+    """[] bool on an accelerator: some draft token has probability 0 under its draft
+    distribution (`to_host` raises); None when checked already (on the CPU, by `verify`)."""
 
     def output_tokens(self, batch: VerifyBatch) -> list[list[int]]:
         """Per request: the accepted drafts, then the recovered or bonus token."""
@@ -149,8 +152,13 @@ class VerifyResult:
         or bonus token), read from the device in one copy."""
         r = batch.num_requests
         lens = batch.draft_lens.tolist()
+        device = self.num_accepted.device
+        check = ([] if self.drafts_invalid is None
+                 else [self.drafts_invalid.to(torch.int64).view(1)])
         flat = torch.cat([self.num_accepted, self.next_tokens,
-                          batch.draft_tokens.to(self.num_accepted.device)]).tolist()
+                          batch.draft_tokens.to(device), *check]).tolist()
+        if check:
+            _check_drafts(bool(flat.pop()))
         accepted, nexts, drafts = flat[:r], flat[r:2 * r], flat[2 * r:]
         out, start = [], 0
         for n, length, t in zip(accepted, lens, nexts):
@@ -195,8 +203,9 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     """Batched lossless rejection sampling over a flattened batch (the fast path).
 
     Branches are chosen from what the host knows (draft lengths, sampling params), not by
-    reading the device: at the token rule the only device read is the check that every draft
-    has probability > 0 (and the nucleus search of top_p rows)."""
+    reading the device: at the token rule nothing is read (but the nucleus search of top_p
+    rows). The check that every draft has probability > 0 is read here on the CPU and with the
+    results (`VerifyResult.to_host`) on an accelerator."""
     if rule is VerificationRule.DRAFTER_INVARIANT:
         from dspark.gumbel_verification import verify_invariant
         return verify_invariant(batch, draws)
@@ -225,9 +234,10 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     row_argmax = argmax_first(batch.target_logits, dim=1) if any(is_greedy) else None
     draft_sampling = request_sampling.repeat(draft_lens, num_drafts)  # [num_drafts]
     p_draft = draft_prob_of_tokens(batch.draft_probs, batch.draft_tokens)  # [num_drafts]
-    if bool((p_draft <= 0).any()):
-        raise ValueError("a draft token has zero probability under its draft distribution: "
-                         "draft_probs must be the distribution the token was sampled from")
+    drafts_invalid = (p_draft <= 0).any()  # [] bool
+    if device.type == "cpu":  # reading it costs nothing here; on a device it rides in to_host
+        _check_drafts(bool(drafts_invalid))
+        drafts_invalid = None
     accepted = torch.ones_like(p_draft, dtype=torch.bool)  # [num_drafts]
     if by_blocks:  # the token rule tests the greedy requests' drafts only
         starts = [0, *itertools.accumulate(lens)]
@@ -271,7 +281,14 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
                 next_dist, dense_draft_rows(batch.draft_probs, draft_row, vocab_size))
             next_dist = torch.where(rejected.unsqueeze(1), residual, next_dist)
         next_tokens[which] = sample_from_probs(next_dist, draws.sample_uniform.to(device)[which])
-    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens,
+                        drafts_invalid=drafts_invalid)
+
+
+def _check_drafts(invalid: bool) -> None:
+    if invalid:
+        raise ValueError("a draft token has zero probability under its draft distribution: "
+                         "draft_probs must be the distribution the token was sampled from")
 
 
 def _host_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:

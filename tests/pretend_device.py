@@ -15,11 +15,15 @@ written by advanced indexing must be on the indexed tensor's device).
 Synchronisations: reading a device tensor's values on the host (`item`, `tolist`, `bool()`,
 `int()`, `float()`, `__index__`, `numpy`, `.cpu()` / `.to(cpu)`) and the ops whose output shape
 depends on device values (`nonzero`, boolean-mask indexing, `masked_select`, `unique`,
-`repeat_interleave` without output_size; a host mask costs nothing) are counted in `syncs` (and by name in `sync_calls`).
+`repeat_interleave` without output_size; a host mask costs nothing) are counted in `syncs` (and by name in `sync_calls`); with the environment variable DSPARK_SYNC_STACKS set,
+each one prints the project's stack to stderr.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from collections import Counter
 
 import torch
@@ -27,6 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 _TAG = "_pretend_device"
+STACKS_ENV = "DSPARK_SYNC_STACKS"
+"""Set (to anything) to print the project's stack at every counted synchronisation."""
 
 
 class MixedDevices(RuntimeError):
@@ -69,6 +75,14 @@ _FACTORY_LIKE = {"to", "cuda", "cpu", "new_tensor", "new_zeros", "new_ones", "ne
                  "new_full"}
 
 
+def _own_frames() -> list[str]:
+    """The formatted stack of the project's own frames (not torch's, not this file's)."""
+    frames = [f for f in traceback.extract_stack()[:-2]
+              if "/torch/" not in f.filename and not f.filename.endswith("pretend_device.py")
+              and "/_pytest/" not in f.filename and "/pluggy/" not in f.filename]
+    return traceback.format_list(frames[-8:])
+
+
 def _caller() -> str:
     """file:line of the innermost frame of the project's own code (not torch, not this file)."""
     import sys
@@ -93,6 +107,10 @@ class PretendDevice(TorchFunctionMode):
         self.counting = True
         self.sync_sites: Counter[str] | None = None
         """Set to a Counter to count syncs by where our code made them (file:line)."""
+        self.uploads = 0
+        """Host-to-device copies: a host tensor moved to the device (`to`, `cuda`, `copy_` into
+        a device tensor), or a tensor made on the device from host data (`tensor`,
+        `as_tensor`)."""
 
     # -- placing ---------------------------------------------------------------------------
     def place(self, *objs) -> None:
@@ -129,6 +147,7 @@ class PretendDevice(TorchFunctionMode):
     def reset_counts(self) -> None:
         self.syncs = 0
         self.sync_calls.clear()
+        self.uploads = 0
 
     def _sync(self, what: str) -> None:
         if self.counting:
@@ -136,6 +155,8 @@ class PretendDevice(TorchFunctionMode):
             self.sync_calls[what] += 1
             if self.sync_sites is not None:
                 self.sync_sites[f"{what} at {_caller()}"] += 1
+            if os.environ.get(STACKS_ENV):
+                print(f"--- sync: {what}\n" + "".join(_own_frames()), file=sys.stderr)
 
     # -- the mode --------------------------------------------------------------------------
     def _is_pretend(self, device) -> bool:
@@ -220,6 +241,12 @@ class PretendDevice(TorchFunctionMode):
                 idx = index if isinstance(index, tuple) else (index,)
                 if any(_tagged(i) and i.dtype == torch.bool and i.dim() > 0 for i in idx):
                     self._sync(f"{name}[bool mask]")
+        if self.counting and (
+                (name == "copy_" and self_t is not None and _tagged(self_t) and len(args) > 1
+                 and isinstance(args[1], torch.Tensor) and not _tagged(args[1]))
+                or (name in ("tensor", "as_tensor") and self_t is None
+                    and self._is_pretend(to_device))):
+            self.uploads += 1
         if name == "repeat_interleave" and "output_size" not in kwargs:
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
             if _tagged(repeats) or (_tagged(self_t) and self_t.dtype != torch.bool
@@ -230,6 +257,8 @@ class PretendDevice(TorchFunctionMode):
             return out
         if to_device is not None:
             moving = self_t is not None and _tagged(self_t) != self._is_pretend(to_device)
+            if moving and self.counting and self._is_pretend(to_device):
+                self.uploads += 1
             if moving and out is self_t:  # a real move makes a new tensor; the CPU returns self
                 out = out.clone()
             if self._is_pretend(to_device):

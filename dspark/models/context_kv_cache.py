@@ -36,6 +36,11 @@ class RequestContext:
         self.positions = torch.empty(capacity, dtype=torch.int64, device=device)
         self.length = 0
         self.max_position = -1
+        """The largest context position (host int; -1: none)."""
+        self.last_position = -1
+        """The position of the last context slot (host int; -1: none)."""
+        self.min_position = _PAD_POSITION
+        """The smallest context position (host int; _PAD_POSITION: none)."""
 
     def reserve(self, capacity: int) -> None:
         """Make room for `capacity` slots (amortised doubling)."""
@@ -56,9 +61,12 @@ class RequestContext:
             self.hidden = hidden
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               hidden: torch.Tensor | None = None) -> None:
+               hidden: torch.Tensor | None = None,
+               host_positions: torch.Tensor | None = None) -> None:
         """keys/values [num_layers, num_kv_heads, n, head_dim], positions [n], hidden [n, hidden]
-        (required iff the context keeps fused states)."""
+        (required iff the context keeps fused states). host_positions [n]: the same positions
+        on the host, where the caller has them (they come from the host), so that the bounds
+        kept here are read without waiting for the device; None: read from `positions`."""
         n = keys.shape[2]
         need = self.length + n
         assert (hidden is not None) == bool(self.hidden.shape[1]), "fused states: all or none"
@@ -70,7 +78,10 @@ class RequestContext:
             self.hidden[self.length: need] = hidden
         self.length = need
         if n:
-            self.max_position = max(self.max_position, int(positions.max()))
+            known = positions if host_positions is None else host_positions
+            self.last_position = int(known[-1])
+            self.max_position = max(self.max_position, int(known.max()))
+            self.min_position = min(self.min_position, int(known.min()))
 
     def visibility(self, anchor_position: int, block_size: int) -> torch.Tensor | None:
         """Mask [block_size, length + block_size] of what a block at `anchor_position` may see
@@ -85,17 +96,18 @@ class RequestContext:
     def last_hidden(self, anchor_position: int) -> torch.Tensor | None:
         """The fused state [hidden] of the latest context position before `anchor_position`
         (the most recently appended one if a position occurs twice), or None if there is none."""
-        if self.length == 0:
+        if self.length == 0 or self.min_position >= anchor_position:
             return None
         last = self.length - 1
-        if int(self.positions[last]) == self.max_position < anchor_position:
+        if self.last_position == self.max_position < anchor_position:
             return self.hidden[last]  # the usual case: appended in order, all before the anchor
-        positions = self.positions[: self.length]
+        # On the device, without reading it: the last slot holding the largest visible position.
+        positions = self.positions[: self.length]  # [length]
         visible = positions < anchor_position
-        if not bool(visible.any()):
-            return None
-        best = positions[visible].max()
-        return self.hidden[int((positions == best).nonzero()[-1])]
+        best = torch.where(visible, positions, -1).max()
+        slots = torch.arange(self.length, device=positions.device)
+        slot = torch.where(visible & (positions == best), slots, -1).max()  # a visible one exists
+        return self.hidden.index_select(0, slot.view(1))[0]
 
 
 class ContextKVCache:
@@ -115,14 +127,16 @@ class ContextKVCache:
         return 0 if ctx is None else ctx.length
 
     def append(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor,
-               positions: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+               positions: torch.Tensor, hidden: torch.Tensor | None = None,
+               host_positions: torch.Tensor | None = None) -> None:
+        """As RequestContext.append, for the request's context (created on first use)."""
         ctx = self._requests.get(request_id)
         if ctx is None:
             ctx = RequestContext(keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype,
                                  keys.device, capacity=max(64, keys.shape[2]),
                                  hidden_size=0 if hidden is None else hidden.shape[-1])
             self._requests[request_id] = ctx
-        ctx.append(keys, values, positions, hidden)
+        ctx.append(keys, values, positions, hidden, host_positions)
 
     def release(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)

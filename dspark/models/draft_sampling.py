@@ -23,7 +23,8 @@ import torch
 from dspark.models.draft_types import DraftBlock, DraftRequest
 from dspark.random_draws import (CounterGenerator, Purpose, gumbel_noise, keyed_uniforms,
                                  seed_tensor)
-from dspark.sampling import SamplingTensors, argmax_first, probs_from_logits, sample_from_probs
+from dspark.sampling import (SamplingKinds, SamplingParams, SamplingTensors, argmax_first,
+                             probs_from_logits, sample_from_probs)
 
 
 @dataclass
@@ -42,7 +43,7 @@ class RowPlan:
     sparse_index: torch.Tensor | None  # [n_sparse] row ids, None = all rows
     dense_index: torch.Tensor | None  # [n_dense] row ids, None = all rows
     sparse_params: SamplingTensors | None  # top_k off: the truncation is done by topk
-    sparse_greedy: torch.Tensor | None  # [n_sparse] bool
+    sparse_greedy: torch.Tensor | None  # [n_greedy] the greedy rows' places among the sparse rows
     beyond_k: torch.Tensor | None  # [n_sparse, k_max] bool: slots past each row's own k
     dense_params: SamplingTensors | None
     gumbel_rows: torch.Tensor | None = None
@@ -86,13 +87,20 @@ def plan_rows(requests: Sequence[DraftRequest], vocab_size: int,
         k_tensor = torch.tensor(sparse_ks, device=device)
         plan.beyond_k = torch.arange(k_max, device=device).unsqueeze(0) >= k_tensor.unsqueeze(1)
         temperature = _select(sparse_index, sampling.temperature)
+        # The rows' kinds, known here on the host, choose the transforms' branches: no device
+        # read while sampling (top_k is off: the truncation is done by topk).
         plan.sparse_params = SamplingTensors(temperature, torch.zeros_like(k_tensor),
-                                             _select(sparse_index, sampling.top_p))
-        plan.sparse_greedy = temperature == 0.0
+                                             _select(sparse_index, sampling.top_p),
+                                             _kinds_without_top_k(requests, sparse_rows))
+        greedy = [i for i, r in enumerate(sparse_rows) if requests[r].sampling.is_greedy]
+        if greedy:
+            plan.sparse_greedy = torch.tensor(greedy, dtype=torch.int64).to(device,
+                                                                             non_blocking=True)
     if dense_rows:
         plan.dense_params = SamplingTensors(_select(dense_index, sampling.temperature),
                                             _select(dense_index, sampling.top_k),
-                                            _select(dense_index, sampling.top_p))
+                                            _select(dense_index, sampling.top_p),
+                                            _kinds_without_top_k(requests, dense_rows))
     generators = [CounterGenerator.resolve(r.generator, r.sampling.seed) for r in requests]
     if any(g.shared_noise and not r.sampling.is_greedy for g, r in zip(generators, requests)):
         plan.gumbel_rows = torch.tensor([g.shared_noise for g in generators], device=device)
@@ -100,6 +108,14 @@ def plan_rows(requests: Sequence[DraftRequest], vocab_size: int,
         plan.anchor_positions = torch.tensor([r.anchor_position for r in requests],
                                              dtype=torch.int64, device=device)
     return plan
+
+
+def _kinds_without_top_k(requests: Sequence[DraftRequest], rows: list[int]) -> SamplingKinds:
+    """The kinds of these rows' sampling, known on the host, so that sampling them reads nothing
+    from the device. No top-k: a sparse row's truncation is done by topk, and a dense row has
+    none (top_k 0, or at least the vocabulary)."""
+    return SamplingKinds.of([SamplingParams(requests[r].sampling.temperature, 0,
+                                            requests[r].sampling.top_p) for r in rows])
 
 
 def position_noise(plan: RowPlan, k: int, target_ids: torch.Tensor) -> torch.Tensor | None:
@@ -148,7 +164,7 @@ def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.T
         sub = _select(plan.sparse_index, logits)  # [n, V_d]
         values, sparse_indices = torch.topk(sub, plan.beyond_k.shape[1], dim=1)  # sorted desc
         greedy = plan.sparse_greedy
-        if bool(greedy.any()):  # argmax with the lowest index on ties
+        if greedy is not None:  # argmax with the lowest index on ties
             sparse_indices[greedy, 0] = argmax_first(sub[greedy], dim=1)
         values = values.masked_fill(plan.beyond_k, float("-inf"))
         sparse_probs = probs_from_logits(values, plan.sparse_params)  # greedy: one-hot at slot 0

@@ -309,7 +309,8 @@ class DSparkDrafter(FrozenTargetHead):
             return
         device = self.fc.weight.device
         features = torch.cat([f for _, (f, _) in pieces]).to(device)  # [N, m * hidden]
-        positions = torch.cat([p for _, (_, p) in pieces]).to(device=device, dtype=torch.int64)  # [N]
+        host_positions = torch.cat([p for _, (_, p) in pieces]).to(torch.int64)  # [N]
+        positions = host_positions.to(device, non_blocking=True)  # [N]
         with torch.no_grad():
             # keys, values [num_layers, 1, num_kv_heads, N, head_dim]; h_ctx [1, N, hidden]
             keys, values, h_ctx = self.context_states(features.unsqueeze(0), positions.unsqueeze(0))
@@ -318,7 +319,7 @@ class DSparkDrafter(FrozenTargetHead):
             end = start + f.shape[0]
             hidden = h_ctx[0, start:end] if self.config.inject_last_context else None  # [n, hidden]
             self._cache.append(rid, keys[:, 0, :, start:end], values[:, 0, :, start:end],
-                               positions[start:end], hidden)
+                               positions[start:end], hidden, host_positions[start:end])
             start = end
 
     def release(self, request_id: Hashable) -> None:

@@ -222,9 +222,10 @@ class EagleDrafter(FrozenTargetHead):
             return
         self._check_ready()
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
-        positions = positions.to(device=device, dtype=torch.int64)
+        host_positions = positions.to(torch.int64)  # [n]: they come from the host
+        positions = host_positions.to(device, non_blocking=True)
         state = self._requests.get(request_id)
-        first = int(positions[0])
+        first = int(host_positions[0])
         if state is None:
             pending = torch.zeros(self.config.hidden_size, device=device, dtype=dtype)
         else:
@@ -232,7 +233,7 @@ class EagleDrafter(FrozenTargetHead):
                 raise ValueError(f"context positions must continue at {state.last_position + 1}, "
                                  f"got {first}")
             pending = state.pending
-        if n > 1 and not bool((positions[1:] == positions[:-1] + 1).all()):
+        if n > 1 and not bool((host_positions[1:] == host_positions[:-1] + 1).all()):
             raise ValueError("context positions must be consecutive")
         with torch.no_grad():
             g = self.fc(features.to(device=device, dtype=dtype))  # [n, hidden]
@@ -241,8 +242,9 @@ class EagleDrafter(FrozenTargetHead):
                                            hid_in)
             cos, sin = self._rope(positions.unsqueeze(0), dtype)
             k, v = self.midlayer.self_attn.project_kv(x2.unsqueeze(0), cos, sin)  # [1, kv, n, hd]
-        self._cache.append(request_id, k, v, positions)  # "num_layers" axis = batch axis of 1
-        self._requests[request_id] = _EagleRequest(g[-1], int(positions[-1]))
+        self._cache.append(request_id, k, v, positions,  # "num_layers" axis = batch axis of 1
+                           host_positions=host_positions)
+        self._requests[request_id] = _EagleRequest(g[-1], int(host_positions[-1]))
 
     def release(self, request_id: Hashable) -> None:
         self._cache.release(request_id)

@@ -31,6 +31,7 @@ from dspark.models.packed_linear import packing_available
 from dspark.models.quantized_linear import kernel_available as block_kernel_available
 from dspark.models.quantized_linear import kernel_isa as block_kernel_isa
 from dspark.models.paged_attention import LONG_QUERY_MIN_TOKENS, cpu_kernel_available
+from dspark.models.pass_upload import upload
 from dspark.models.transformer import AttentionImpl, FlatBatch, Transformer
 from dspark.models.triton_paged_attention import triton_available
 from dspark.sampling import argmax_first
@@ -290,13 +291,12 @@ class TargetRunner:
         passes = self._plan(items)
         for pieces in passes:
             if self.attention.uses_block_tables:
-                batch, logit_rows = self._table_batch(items, old_lengths, pieces)
+                batch, logit_rows, rows = self._table_batch(items, old_lengths, pieces)
             else:
-                batch, logit_rows = self._flat_batch(items, old_lengths, pieces)
+                batch, logit_rows, rows = self._flat_batch(items, old_lengths, pieces)
             batch.prepare(self.attention, group, self.cache)
             h, hidden = self.model(batch, self.cache, self.attention, layer_ids)
-            rows = torch.tensor(list(itertools.chain.from_iterable(logit_rows)), dtype=torch.int64)
-            logits = self.model.compute_logits(h.index_select(0, rows.to(self.device)))
+            logits = self.model.compute_logits(h.index_select(0, rows))
             row = token = 0
             for piece, piece_rows in zip(pieces, logit_rows):
                 logits_parts[piece.item].append(logits[row:row + len(piece_rows)])
@@ -317,8 +317,9 @@ class TargetRunner:
         return ForwardOutput(out_logits, logit_counts, out_hidden, [len(it.token_ids) for it in items])
 
     def _flat_batch(self, items: Sequence[ForwardItem], old_lengths: list[int],
-                    pieces: list[_Piece]) -> tuple[FlatBatch, list[list[int]]]:
-        """Metadata of one pass, and per piece the pass-local token rows that need logits."""
+                    pieces: list[_Piece]) -> tuple[FlatBatch, list[list[int]], torch.Tensor]:
+        """Metadata of one pass, per piece the pass-local token rows that need logits, and
+        those rows [num_logit_rows] on the device (all of it uploaded in one copy)."""
         manager = self.cache.manager
         token_ids: list[int] = []
         positions, slot_mapping, gather_blocks = [], [], []
@@ -345,25 +346,29 @@ class TargetRunner:
                 gather_blocks.extend(manager.block_ids(it.request_id, ctx_len))
             query_lens.append(q_len)
             context_lens.append(ctx_len)
-        device = self.device
+        token_ids_t, positions_t, slot_mapping_t, gather_blocks_t, rows = upload(
+            [torch.tensor(token_ids, dtype=torch.int64), torch.cat(positions),
+             torch.cat(slot_mapping), torch.tensor(gather_blocks, dtype=torch.int64),
+             _flat_rows(logit_rows)], self.device)
         batch = FlatBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
-            positions=torch.cat(positions).to(device),
-            slot_mapping=torch.cat(slot_mapping).to(device),
+            token_ids=token_ids_t,
+            positions=positions_t,
+            slot_mapping=slot_mapping_t,
             query_lens=query_lens,
             context_lens=context_lens,
             context_in_place=in_place,
             context_offsets=context_offsets,
-            gather_blocks=torch.tensor(gather_blocks, dtype=torch.int64).to(device),
+            gather_blocks=gather_blocks_t,
         )
-        return batch, logit_rows
+        return batch, logit_rows, rows
 
 
     def _table_batch(self, items: Sequence[ForwardItem], old_lengths: list[int],
-                     pieces: list[_Piece]) -> tuple[FlatBatch, list[list[int]]]:
+                     pieces: list[_Piece]) -> tuple[FlatBatch, list[list[int]], torch.Tensor]:
         """Metadata of one pass for the block-table attentions (PAGED, PADDED, FLEX, TRITON), built with a
         constant number of tensor ops whatever the number of requests: block tables, per-token
-        positions and cache slots, query starts and context lengths."""
+        positions and cache slots, query starts and context lengths; with the logit rows as
+        `_flat_batch`'s, all of it uploaded in one copy."""
         manager = self.cache.manager
         block_size = manager.block_size
         token_ids: list[int] = []
@@ -388,24 +393,34 @@ class TargetRunner:
         index_in_query = torch.arange(len(token_ids)) - query_start[request_of_token]  # [num_tokens]
         positions = (ctx_lens - q_lens)[request_of_token] + index_in_query  # [num_tokens]
         slot_mapping = block_tables[request_of_token, positions // block_size] * block_size + positions % block_size
-        device = self.device
+        long = long_queries(query_lens, context_lens, block_tables, block_size)
+        (token_ids_t, positions_t, slot_mapping_t, block_tables_t, query_start_t, q_lens_t,
+         ctx_lens_t, rows, *long_slots) = upload(
+            [torch.tensor(token_ids, dtype=torch.int64), positions, slot_mapping, block_tables,
+             query_start, q_lens, ctx_lens, _flat_rows(logit_rows),
+             *(slots for _, _, _, slots in long)], self.device)
         batch = FlatBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
-            positions=positions.to(device),
-            slot_mapping=slot_mapping.to(device),
+            token_ids=token_ids_t,
+            positions=positions_t,
+            slot_mapping=slot_mapping_t,
             query_lens=query_lens,
             context_lens=context_lens,
             context_in_place=[False] * len(pieces),
             context_offsets=[0] * len(pieces),
-            gather_blocks=torch.empty(0, dtype=torch.int64, device=device),
-            block_tables=block_tables.to(device),
-            query_start=query_start.to(device),
-            query_lens_t=q_lens.to(device),
-            context_lens_t=ctx_lens.to(device),
-            long_queries=[(start, q_len, ctx_len, slots.to(device)) for start, q_len, ctx_len, slots
-                          in long_queries(query_lens, context_lens, block_tables, block_size)],
+            gather_blocks=torch.empty(0, dtype=torch.int64, device=self.device),
+            block_tables=block_tables_t,
+            query_start=query_start_t,
+            query_lens_t=q_lens_t,
+            context_lens_t=ctx_lens_t,
+            long_queries=[(start, q_len, ctx_len, slots) for (start, q_len, ctx_len, _), slots
+                          in zip(long, long_slots)],
         )
-        return batch, logit_rows
+        return batch, logit_rows, rows
+
+
+def _flat_rows(logit_rows: list[list[int]]) -> torch.Tensor:
+    """The pass-local rows that need logits, every piece's in order: [num_logit_rows] int64."""
+    return torch.tensor(list(itertools.chain.from_iterable(logit_rows)), dtype=torch.int64)
 
 
 def long_queries(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,

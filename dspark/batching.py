@@ -155,7 +155,8 @@ class Batcher:
             final = end == len(tokens) and not r.recomputing  # a recompute samples nothing
             planned.append((r, PrefillChunk(r.request_id, tokens[r.prefilled:end], final,
                                             r.sampling, r.generator, continued=r.prefilled > 0,
-                                            logprobs=r.logprobs)))
+                                            logprobs=r.logprobs,
+                                            grammar=r.grammar_request() if final else None)))
             budget -= end - r.prefilled
         return planned
 

@@ -13,6 +13,8 @@ It owns the target runner (and so every request's KV cache) and offers the engin
 - `take_features`: the features of items marked `hold_features`, kept here until the drafter
   needs them (dspark.feature_stash);
 - `release`.
+Requests with structured output (dspark.structured_output) have their target rows masked by
+their grammar before verification; the verifier keeps each one's grammar state with its KV cache.
 The engine calls these as plain methods; the services issue puts the same object behind gRPC.
 
 Positions: a request whose KV cache holds n tokens has its anchor at position n. A round feeds
@@ -36,6 +38,7 @@ from dspark.rejection import (SparseDraftProbs, VerificationRule, VerifyBatch, d
 from dspark.random_draws import CounterGenerator
 from dspark.rejection import sample_first_tokens
 from dspark.sampling import SamplingParams, SamplingTensors
+from dspark.structured_output import GrammarCompiler, GrammarRequest, GrammarState, mask_logits
 
 
 @dataclass
@@ -65,6 +68,8 @@ class VerifyRequest:
     logprobs: int | None = None
     """Return the target's log-probabilities of the output tokens with this many top
     alternatives each (dspark.logprobs); None = none (nothing is computed)."""
+    grammar: GrammarRequest | None = None
+    """Structured output: the target's rows are masked by this grammar (None = unconstrained)."""
 
 
 @dataclass
@@ -85,6 +90,8 @@ class PrefillChunk:
     logprobs: int | None = None
     """A final chunk: return the first token's log-probability with this many top alternatives
     (dspark.logprobs); None = none."""
+    grammar: GrammarRequest | None = None
+    """A final chunk with structured output: the first token is sampled under this grammar."""
 
 
 @dataclass
@@ -127,8 +134,14 @@ class TargetVerifier:
     """Target runner + rejection sampler, with no scheduling logic of its own."""
 
     def __init__(self, runner: TargetRunner,
-                 rule: VerificationRule = VerificationRule.TOKEN) -> None:
+                 rule: VerificationRule = VerificationRule.TOKEN,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars
+        """Compiles structured-output grammars over the target's tokenizer (None: requests with
+        a grammar are refused)."""
+        self.grammar_states: dict[Hashable, GrammarState] = {}
+        """Each constrained request's grammar state, advanced by its committed tokens."""
         self.rule = VerificationRule(rule)
         """How sampled requests' drafts are accepted; greedy ones follow the token rule always."""
         self.batch_observer: Callable[[VerifyBatch], None] | None = None
@@ -152,11 +165,15 @@ class TargetVerifier:
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
                 generators: Sequence[CounterGenerator | None],
-                logprobs: Sequence[int | None] | None = None) -> PrefillOutput:
-        """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks)."""
+                logprobs: Sequence[int | None] | None = None,
+                grammars: Sequence[GrammarRequest | None] | None = None) -> PrefillOutput:
+        """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks); `grammars`:
+        per request as PrefillChunk.grammar (None: none is constrained)."""
         logprobs = [None] * len(request_ids) if logprobs is None else logprobs
-        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k)
-                  for rid, p, s, g, k in zip(request_ids, prompts, sampling, generators, logprobs)]
+        grammars = [None] * len(request_ids) if grammars is None else grammars
+        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k, grammar=gr)
+                  for rid, p, s, g, k, gr in zip(request_ids, prompts, sampling, generators,
+                                                 logprobs, grammars)]
         out = self.verify([], chunks).prefill
         return PrefillOutput([int(t) for t in out.first_tokens], out.features, out.logprobs)
 
@@ -180,7 +197,7 @@ class TargetVerifier:
     def _verify(self, requests: Sequence[VerifyRequest],
                 prefill: Sequence[PrefillChunk]) -> VerifyOutput:
         items, tokens, probs, indices = [], [], [], []
-        lens = []
+        lens, drafts_of = [], []  # [R] l_r and the admitted drafts as host ints
         # The drafter may return some blocks sparse (greedy: k = 1) and others dense (plain
         # sampling); a mixed batch is verified dense: the same distributions, written out.
         device = self.runner.device
@@ -201,7 +218,11 @@ class TargetVerifier:
                     if block.indices is not None:
                         indices.append(block.indices[:n])
             lens.append(n)
+            drafts_of.append(drafts)
             items.append(ForwardItem(req.request_id, [req.anchor_token] + drafts, logits_from=0))
+        states = [self._grammar_state(r.request_id, r.grammar) for r in requests]  # [R]
+        chunk_states = [self._grammar_state(c.request_id, c.grammar) if c.final else None
+                        for c in prefill]
         # A chunk needs logits only for its last token, and only if the prompt ends there.
         items += [ForwardItem(c.request_id, list(c.token_ids),
                               logits_from=None if c.final else len(c.token_ids)) for c in prefill]
@@ -235,14 +256,19 @@ class TargetVerifier:
                 draft_tokens=(torch.cat(tokens) if tokens
                               else torch.zeros(0, dtype=torch.int64, device=device)),
                 draft_lens=draft_lens, draft_probs=draft_probs,
-                target_logits=out.logits[:verify_rows], sampling=[r.sampling for r in requests])
+                target_logits=_constrained(out.logits[:verify_rows], states, drafts_of),
+                sampling=[r.sampling for r in requests])
             if self.batch_observer is not None:
                 self.batch_observer(batch)
             generators = [CounterGenerator.resolve(r.generator, r.sampling.seed) for r in requests]
             draws = draw_uniforms(draft_lens, generators, old_lengths)
             result = verify(batch, draws.to(device), self.rule)
             num_accepted, output_tokens = result.to_host(batch)  # one device-to-host copy
-            logprobs = _output_logprobs(requests, lens, output_tokens, batch.target_logits)
+            for state, tokens_out in zip(states, output_tokens):
+                if state is not None:
+                    state.observe(tokens_out)
+            # The raw target's log-probabilities (dspark.logprobs), before any grammar mask.
+            logprobs = _output_logprobs(requests, lens, output_tokens, out.logits[:verify_rows])
             for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
                 self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
                 hidden = out.hidden_of(i)[:1 + accepted] if out.hidden is not None else None
@@ -257,7 +283,7 @@ class TargetVerifier:
                     flat = None
                 features.append(flat)
         chunks = self._chunk_outputs(prefill, out, len(requests), out.logits[verify_rows:],
-                                     chunk_starts)
+                                     chunk_starts, chunk_states)
         if chunks is not None:
             for i, (chunk, start) in enumerate(zip(prefill, chunk_starts)):
                 held = chunk.hold_features or chunk.request_id in self.stash
@@ -273,23 +299,30 @@ class TargetVerifier:
                             logprobs=logprobs)
 
     def _chunk_outputs(self, prefill: Sequence[PrefillChunk], out, first_item: int,
-                       logits: torch.Tensor, chunk_starts: Sequence[int]) -> ChunkOutput | None:
+                       logits: torch.Tensor, chunk_starts: Sequence[int],
+                       states: Sequence[GrammarState | None]) -> ChunkOutput | None:
         """First tokens of the final chunks (from `logits` [num_final, V], in order) and every
-        chunk's features; chunk_starts [num_chunks]: where each chunk begins in its prompt."""
+        chunk's features; chunk_starts [num_chunks]: where each chunk begins in its prompt;
+        states [num_chunks]: a final chunk's grammar state (None: unconstrained)."""
         if not prefill:
             return None
         final = [c for c in prefill if c.final]
         first: list[int | None] = [None] * len(prefill)
         logprobs: list[TokenLogprobs | None] | None = None
         if final:
+            final_states = [s for c, s in zip(prefill, states) if c.final]  # [F]
             first_tokens = sample_first_tokens(  # [F]
-                logits, SamplingTensors.from_params([c.sampling for c in final],
+                _constrained(logits, final_states, [[] for _ in final]),
+                SamplingTensors.from_params([c.sampling for c in final],
                                                     device=logits.device),
                 [CounterGenerator.resolve(c.generator, c.sampling.seed) for c in final],
                 [s + len(c.token_ids) for c, s in zip(prefill, chunk_starts) if c.final],
                 self.rule)
             sampled = iter(first_tokens.tolist())
             first = [next(sampled) if c.final else None for c in prefill]
+            for state, token in zip(states, first):
+                if state is not None:
+                    state.observe([token])
             asked = [c.logprobs for c in final]
             if any(k is not None for k in asked):
                 rows = iter(_rows_logprobs(logits, first_tokens, asked))
@@ -303,10 +336,49 @@ class TargetVerifier:
         nothing is held); they are forgotten here."""
         return [self.stash.take(rid) for rid in request_ids]
 
+    def _grammar_state(self, request_id: Hashable, grammar: GrammarRequest | None
+                       ) -> GrammarState | None:
+        """The request's grammar state: the one held, or (grammar.replay given) a new one."""
+        if grammar is None:
+            return None
+        if grammar.replay is None:
+            if request_id not in self.grammar_states:
+                raise ValueError(f"request {request_id!r} has a grammar but no state here and "
+                                 "no replay to rebuild it")
+            return self.grammar_states[request_id]
+        if self.grammars is None:
+            raise ValueError("this verifier has no tokenizer to compile structured-output "
+                             "grammars with")
+        state = self.grammars.state_for(grammar)
+        self.grammar_states[request_id] = state
+        return state
+
     def release(self, request_id: Hashable) -> None:
+        self.grammar_states.pop(request_id, None)
         self.stash.drop(request_id)
         if self.runner.has_request(request_id):
             self.runner.free(request_id)
+
+
+def _constrained(logits: torch.Tensor, states: Sequence[GrammarState | None],
+                 drafts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The target rows of a batch with each constrained request's grammar mask applied:
+    logits [sum_r (l_r + 1), V], request r's rows in order (its drafts [l_r] as host ints);
+    states [R] (None: that request's rows stay as they are). The same tensor when no request
+    is constrained."""
+    if all(s is None for s in states):
+        return logits
+    vocab_size = logits.shape[1]
+    allowed = torch.ones(logits.shape, dtype=torch.bool)  # [rows, V] on the host
+    row = 0
+    for state, request_drafts in zip(states, drafts):
+        if state is not None:
+            mask = state.row_masks(request_drafts)  # [l_r + 1, V_grammar]
+            width = min(vocab_size, mask.shape[1])
+            allowed[row:row + mask.shape[0], :width] = mask[:, :width]
+            allowed[row:row + mask.shape[0], width:] = False  # beyond the tokenizer
+        row += len(request_drafts) + 1
+    return mask_logits(logits, allowed)
 
 
 def _rows_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

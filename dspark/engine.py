@@ -150,10 +150,13 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                     max_tokens: int = 128, stop_token_ids: Sequence[int] = (),
                     request_id: Hashable | None = None, logprobs: int | None = None,
-                    grammar: GrammarSpec | None = None) -> Hashable:
+                    grammar: GrammarSpec | None = None,
+                    grammar_prefix: Sequence[int] = ()) -> Hashable:
         """`logprobs`: report the target's log-probabilities of the output tokens with this
         many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none. `grammar`:
-        structured output (dspark.structured_output), which needs a stop token to end on."""
+        structured output (dspark.structured_output), which needs a stop token to end on;
+        `grammar_prefix`: the prompt's last tokens that are output under it already (a resumed
+        request's)."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_tokens < 1:
@@ -167,7 +170,7 @@ class Engine:
         generator = request_generator(sampling, getattr(self.verifier, "rule", None))
         self.batcher.add(Request(rid, list(prompt_ids), sampling, max_tokens,
                                  frozenset(stop_token_ids), generator, logprobs=logprobs,
-                                 grammar=grammar))
+                                 grammar=grammar, grammar_prefix=tuple(grammar_prefix)))
         return rid
 
     def abort(self, request_id: Hashable) -> None:

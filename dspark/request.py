@@ -53,6 +53,9 @@ class Request:
     before the anchor) and samples nothing; it runs again from its anchor."""
     grammar: GrammarSpec | None = None
     """Structured output: every token is sampled under this grammar (dspark.structured_output)."""
+    grammar_prefix: tuple[int, ...] = ()
+    """The end of the prompt that the grammar has read already (a resumed request's earlier
+    output, given back as prompt)."""
     grammar_held: bool = False
     """The verifier holds the request's grammar state (false until its first token, and again
     after the verifier released it)."""
@@ -68,7 +71,8 @@ class Request:
         if self.grammar is None:
             return None
         return GrammarRequest(self.grammar, tuple(sorted(self.stop_token_ids)),
-                              None if self.grammar_held else tuple(self.output_ids))
+                              None if self.grammar_held
+                              else self.grammar_prefix + tuple(self.output_ids))
 
     @property
     def tokens_to_read(self) -> list[int]:

@@ -220,6 +220,7 @@ class GrammarState:
                                                override_stop_tokens=sorted(set(stop_token_ids)))
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [1, words] int32
         self._refused = torch.tensor(sorted(set(refused_ids)), dtype=torch.int64)  # [s]
+        self._stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.int64)  # [t]
 
     @property
     def terminated(self) -> bool:
@@ -263,7 +264,20 @@ class GrammarState:
                 self.matcher.rollback(advanced)
         allowed = unpack_bitmask(words, self.vocab_size)  # [rows, V]
         allowed[:num_filled, self._refused] = False
+        # A dead end (no token of this vocabulary continues the grammar) ends the output:
+        # its stop tokens, rather than a row of -inf with no distribution at all.
+        dead = ~allowed[:num_filled].any(dim=1)  # [filled]
+        if bool(dead.any()):
+            allowed[:num_filled][dead.nonzero().squeeze(1).unsqueeze(1), self._stops] = True
         return allowed
+
+    def can_start(self) -> bool:
+        """Some token of the vocabulary continues the output from here, or it may end here (a
+        word-level vocabulary without "{" cannot begin any JSON)."""
+        self.matcher.fill_next_token_bitmask(self._bitmask, 0)
+        allowed = unpack_bitmask(self._bitmask, self.vocab_size)[0]  # [V]
+        allowed[self._refused] = False
+        return bool(allowed.any())
 
 
 def _bit(words: torch.Tensor, token: int) -> bool:

@@ -57,14 +57,16 @@ def compiler(json_target):
 
 
 def make_engine(folder, policy: str, rule=VerificationRule.TOKEN, max_running: int = 8,
-                sparse_top_k: int | None = None) -> Engine:
-    runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS))
+                sparse_top_k: int | None = None, kv_cache_tokens: int = 8192,
+                prefill_chunk_tokens: int = 256) -> Engine:
+    runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS,
+                                               kv_cache_tokens=kv_cache_tokens))
     drafter = tiny_dspark(0, runner, block_size=DRAFT_BLOCK) if policy != "none" else None
     table = CostTable.from_step_seconds({b: 0.01 + 0.001 * b for b in (1, 2, 4, 8, 16, 32, 64)})
     verifier = TargetVerifier(runner, rule, GrammarCompiler(folder, VOCAB))
     return Engine(verifier, drafter, table, EngineConfig().with_values(
         policy=policy, max_running=max_running, sparse_top_k=sparse_top_k,
-        update_cost_table=False))
+        prefill_chunk_tokens=prefill_chunk_tokens, update_cost_table=False))
 
 
 # -- constructed ---------------------------------------------------------------------------------
@@ -181,6 +183,24 @@ def test_greedy_schema_outputs_are_the_constrained_reference(json_target, compil
         check_schema(json.loads(tokenizer.decode(outputs[i][:-1])))
     if policy == "fixed:7":
         assert admitted > accepted > 0  # drafts were verified, some refused by the grammar
+
+
+@pytest.mark.parametrize("chunk", [256, 0])
+def test_preempted_requests_rebuild_their_grammar_state(json_target, compiler, chunk):
+    """A 64-token KV cache holds one request but not four: rounds that do not fit preempt the
+    newest, whose verifier state (KV cache and grammar) is released; it is rebuilt from the
+    output when the request runs again, and every output is still the reference."""
+    folder, model, _ = json_target
+    spec = GrammarSpec.json_schema(SCHEMA)
+    engine = make_engine(folder, "fixed:7", kv_cache_tokens=64, prefill_chunk_tokens=chunk)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, SamplingParams(temperature=0), 48, [EOS], request_id=i,
+                           grammar=spec)
+    outputs, finish, _, _ = run(engine)
+    assert engine.stats.preemptions > 0
+    for i, prompt in enumerate(PROMPTS):
+        assert outputs[i] == constrained_greedy(model, compiler, prompt, spec, 48), i
+    assert not engine.verifier.grammar_states  # released with the requests
 
 
 def exact_choice_probs(model, compiler, prompt: list[int], spec: GrammarSpec,

@@ -32,6 +32,7 @@ from dspark.serving.detokenizer import INITIAL_CONTEXT_TOKENS, IncrementalDetoke
 from dspark.serving.engine_loop import StreamEvent, Submission
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStatus, RequestStore, StoredRequest
+from dspark.structured_output import GrammarCompiler, GrammarSpec, InvalidGrammar
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # The ranges of the proto fields the parameters travel in (dspark.v1.SamplingParams).
@@ -74,6 +75,9 @@ class GenerationSpec:
     ignore_eos: bool = False
     """Do not stop at the model's end-of-sequence tokens (vLLM's ignore_eos): only max_tokens
     (and the front end's stop strings) end the output."""
+    grammar: GrammarSpec | None = None
+    """Structured output (response_format): the output follows this grammar and ends with an
+    end-of-sequence token where it is complete."""
 
 
 @dataclass
@@ -195,6 +199,9 @@ class Gateway:
         # Rust fast tokenizers can raise "Already borrowed" when one object is used from several
         # threads at once (HTTP and gRPC handlers run in threads): one call at a time.
         self._tokenizer_lock = threading.Lock()
+        self.grammars = (GrammarCompiler(tokenizer=tokenizer, vocab_size=vocab_size)
+                         if tokenizer is not None else None)
+        """Compiles response_format grammars to check them before they reach the engine."""
         # Admission check, resume's liveness check and the submission happen together, so two
         # concurrent resumes of one id cannot both start it and the queue bound holds.
         self._submit_lock = threading.Lock()
@@ -209,8 +216,10 @@ class Gateway:
 
     def spec(self, prompt_ids: list[int], temperature: Any = 1.0, top_p: Any = 1.0,
              top_k: Any = 0, seed: Any = None, max_tokens: Any = 16,
-             logprobs: Any = None, ignore_eos: bool = False) -> GenerationSpec:
-        """`logprobs`: top alternatives per produced token (None = no log-probabilities)."""
+             logprobs: Any = None, ignore_eos: bool = False,
+             response_format: Any = None) -> GenerationSpec:
+        """`logprobs`: top alternatives per produced token (None = no log-probabilities);
+        `response_format`: OpenAI's (None = text)."""
         max_tokens = _number(max_tokens, "max_tokens", int)
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {_short(max_tokens)}",
@@ -245,7 +254,28 @@ class Gateway:
                 raise InvalidRequest(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
                                      f"{_short(logprobs)}", param="logprobs")
         return GenerationSpec(prompt_ids, SamplingParams(temperature, top_k, top_p, seed),
-                              max_tokens, logprobs, bool(ignore_eos))
+                              max_tokens, logprobs, bool(ignore_eos),
+                              self.grammar(response_format, bool(ignore_eos)))
+
+    def grammar(self, response_format: Any, ignore_eos: bool = False) -> GrammarSpec | None:
+        """OpenAI's response_format as a grammar, compiled once here so that a bad schema is a
+        400 naming response_format (None for text)."""
+        try:
+            spec = GrammarSpec.from_response_format(response_format)
+            if spec is None:
+                return None
+            if ignore_eos:
+                raise InvalidGrammar("response_format needs the end-of-sequence token to end "
+                                     "the output: not with ignore_eos")
+            if self.grammars is None:
+                raise InvalidGrammar("response_format needs the model's tokenizer")
+            with self._tokenizer_lock:  # the first compile reads the tokenizer's vocabulary
+                self.grammars.compile(spec)
+            if not self.grammars.start(spec, self.stop_token_ids).can_start():
+                raise InvalidGrammar("the model's vocabulary cannot write this response_format")
+        except InvalidGrammar as e:
+            raise InvalidRequest(str(e), param="response_format") from None
+        return spec
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         """A string, a list of token ids, or a one-element list of either (OpenAI's forms)."""
@@ -341,14 +371,16 @@ class Gateway:
         """`owner`: the fingerprint of the caller's API key ('' with authentication off)."""
         sampling = spec.sampling
         stop_token_ids = [] if spec.ignore_eos else list(self.stop_token_ids)
-        stored = StoredRequest(request_id, spec.prompt_ids,
-                               {"temperature": sampling.temperature, "top_k": sampling.top_k,
-                                "top_p": sampling.top_p, "seed": sampling.seed},
+        stored_sampling = {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                           "top_p": sampling.top_p, "seed": sampling.seed}
+        if spec.grammar is not None:  # a resumed request goes on under its grammar
+            stored_sampling["grammar"] = spec.grammar.to_json()
+        stored = StoredRequest(request_id, spec.prompt_ids, stored_sampling,
                                spec.max_tokens, stop_token_ids, owner=owner)
         with self._submit_lock:
             events = self._submit(Submission(request_id, spec.prompt_ids, sampling,
                                              spec.max_tokens, stop_token_ids, stored,
-                                             logprobs=spec.logprobs))
+                                             logprobs=spec.logprobs, grammar=spec.grammar))
         return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs)
 
     def fetch(self, request_id: str, owner: str = "") -> StoredRequest:
@@ -380,8 +412,11 @@ class Gateway:
             s = record.sampling
             sampling = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s.get("seed"))
             record.status, record.finish_reason = RequestStatus.RUNNING, ""
+            grammar = GrammarSpec.from_json(s["grammar"]) if s.get("grammar") else None
             events = self._submit(Submission(request_id, record.prompt_ids + record.output_ids,
-                                             sampling, remaining, record.stop_token_ids, record))
+                                             sampling, remaining, record.stop_token_ids, record,
+                                             grammar=grammar,
+                                             grammar_prefix=list(record.output_ids)))
         return GenerationStream(self, request_id, record.prompt_ids, record.output_ids, events)
 
     def _submit(self, submission: Submission) -> queue.Queue:

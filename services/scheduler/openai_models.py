@@ -144,6 +144,12 @@ class _GenerationRequest(BaseModel):
         "Keep generating after the model's end-of-sequence tokens, up to max_tokens (vLLM's "
         "extension; stop strings still apply)."))
     min_tokens: Number = Field(None, description="Only 0 is supported (vLLM's extension).")
+    response_format: dict[str, Any] | None = Field(None, description=(
+        'Structured output: {"type": "text"} (the default), {"type": "json_object"} (any JSON '
+        'object) or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} '
+        "(JSON valid under the schema, compact separators). Every token is sampled under the "
+        "grammar, exactly as without speculation; the output ends with the end-of-sequence "
+        "token where the JSON is complete (or at max_tokens)."))
 
     @field_validator("stop")
     @classmethod
@@ -172,7 +178,7 @@ class _GenerationRequest(BaseModel):
         return {"temperature": _default(self.temperature, 1.0),
                 "top_p": _default(self.top_p, 1.0), "top_k": _default(self.top_k, 0),
                 "seed": self.seed, "max_tokens": _default(self.max_tokens, 16),
-                "ignore_eos": bool(self.ignore_eos)}
+                "ignore_eos": bool(self.ignore_eos), "response_format": self.response_format}
 
     @property
     def include_usage(self) -> bool:

@@ -113,7 +113,11 @@ def test_stream_without_include_usage_has_no_chat_usage(stack):
     ({"n": 129}, "n", "n must be in 1..128"),
     ({"min_tokens": 2}, "min_tokens", "min_tokens is not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format",
-     "unsupported parameter 'response_format'"),
+     "end-of-sequence token"),  # the word-level tiny tokenizer has none
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format", "the schema cannot be compiled"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
+    ({"response_format": "json"}, "response_format", "response_format"),
     ({"min_p": 0.1}, "min_p", "unsupported parameter 'min_p'"),
     ({"repetition_penalty": 1.1}, "repetition_penalty",
      "unsupported parameter 'repetition_penalty'"),

@@ -153,8 +153,10 @@ class Engine:
                     grammar: GrammarSpec | None = None,
                     grammar_prefix: Sequence[int] = ()) -> Hashable:
         """`logprobs`: report the target's log-probabilities of the output tokens with this
-        many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none. `grammar`:
-        structured output (dspark.structured_output), which needs a stop token to end on;
+        many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none. A sampling
+        with min_tokens holds `stop_token_ids` back until then (SamplingParams.stop_token_ids).
+        `grammar`: structured output (dspark.structured_output), which needs a stop token to end
+        on (and no min_tokens, which could hold it back where the grammar allows nothing else);
         `grammar_prefix`: the prompt's last tokens that are output under it already (a resumed
         request's)."""
         if not prompt_ids:
@@ -166,6 +168,15 @@ class Engine:
         if grammar is not None and not stop_token_ids:
             raise ValueError("a request with a grammar needs stop tokens (its output ends with "
                              "one where the grammar is complete)")
+        if grammar is not None and sampling.min_tokens:
+            raise ValueError("a request with a grammar cannot have min_tokens: a complete "
+                             "output allows only its stop tokens")
+        if sampling.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens, got {sampling.min_tokens} > "
+                             f"{max_tokens}")
+        if sampling.min_tokens:  # the tokens it holds back: this request's stop tokens
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(
+                set(sampling.stop_token_ids) | set(stop_token_ids)))
         rid = next(self._ids) if request_id is None else request_id
         generator = request_generator(sampling, getattr(self.verifier, "rule", None))
         self.batcher.add(Request(rid, list(prompt_ids), sampling, max_tokens,

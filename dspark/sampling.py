@@ -13,13 +13,20 @@ Conventions (the same as vLLM's and transformers'):
 - top_k 0 (or >= vocab_size) means no top-k filter; tokens whose logit ties the k-th largest are kept;
 - top_p 1.0 means no nucleus filter; otherwise the smallest set of most probable tokens whose mass
   reaches top_p is kept (a token is kept if the mass strictly before it is < top_p), never empty;
-- top-k is applied before top-p, both after temperature; the kept mass is renormalised.
+- min_p 0 means no filter; otherwise tokens whose probability (after temperature) is below min_p
+  times the most probable token's are dropped (vLLM's min_p);
+- temperature, then min_p, then top-k, then top-p (vLLM's order); the kept mass is renormalised.
+
+The logit-space parameters (logit_bias, min_tokens, repetition / frequency / presence penalties)
+depend on the tokens before each position and are applied to the logits before all of this, by
+dspark.logits_processing; SamplingParams only carries and validates them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -27,6 +34,10 @@ from dspark.random_draws import CounterGenerator
 
 # Temperatures below this are greedy (see the module docstring).
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's ranges (vLLM checks the same): |presence_penalty|, |frequency_penalty| <= 2 and a
+# logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 def argmax_first(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -51,6 +62,23 @@ class SamplingParams:
     seed: int | None = None
     """Seed of the request's random numbers (dspark.random_draws: same seed, same output); None =
     a fresh seed drawn when the request is admitted."""
+    min_p: float = 0.0
+    """Drop tokens less probable than min_p times the most probable one, in [0, 1]; 0 = off."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output holds, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """> 0: the logit of a token of the prompt or output is divided by it when positive, else
+    multiplied by it; 1 = off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, bias in [-100, 100] added to the token's logit; a mapping is
+    accepted and stored as pairs sorted by token id."""
+    min_tokens: int = 0
+    """No stop token (`stop_token_ids`) is produced before this many output tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """The tokens min_tokens holds back: the request's EOS and stop tokens (the engine fills
+    them in from its stop_token_ids when min_tokens > 0)."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
@@ -61,6 +89,39 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY):
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
+                                 f"{getattr(self, name)}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got "
+                             f"{self.repetition_penalty}")
+        pairs = (self.logit_bias.items() if isinstance(self.logit_bias, Mapping)
+                 else self.logit_bias)
+        pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        for token, bias in pairs:
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias names a token twice")
+        object.__setattr__(self, "logit_bias", pairs)
+        if int(self.min_tokens) != self.min_tokens or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(sorted({int(t) for t in
+                                                                 self.stop_token_ids})))
+
+    @property
+    def processes_logits(self) -> bool:
+        """Some logit-space parameter is on (dspark.logits_processing applies them): a logit
+        bias, min_tokens with stop tokens to hold back, or a penalty."""
+        return bool(self.logit_bias or (self.min_tokens and self.stop_token_ids)
+                    or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -86,6 +147,8 @@ class SamplingKinds:
     """Some sampled row has top_p < 1."""
     temperature: float | None
     """The one temperature of every sampled row, None when they differ (or none is sampled)."""
+    min_p: bool = False
+    """Some sampled row has min_p > 0."""
 
     @staticmethod
     def of(params: Sequence[SamplingParams]) -> "SamplingKinds":
@@ -94,7 +157,8 @@ class SamplingKinds:
         return SamplingKinds(greedy=len(sampled) < len(params), sampled=bool(sampled),
                              top_k_max=max([p.top_k for p in sampled] or [0]),
                              top_p=any(p.top_p < 1.0 for p in sampled),
-                             temperature=temps.pop() if len(temps) == 1 else None)
+                             temperature=temps.pop() if len(temps) == 1 else None,
+                             min_p=any(p.min_p > 0.0 for p in sampled))
 
 
 @dataclass
@@ -107,6 +171,8 @@ class SamplingTensors:
     kinds: SamplingKinds | None = None
     """The kinds of rows present, when known on the host (from_params); None: read them from
     the tensors (a device synchronisation per branch on a GPU)."""
+    min_p: torch.Tensor | None = None
+    """float32, 0 = off; None: every row's min_p is 0."""
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams],
@@ -115,22 +181,31 @@ class SamplingTensors:
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        min_p = (torch.tensor([p.min_p for p in params], dtype=torch.float32).to(
+            device, non_blocking=True) if any(p.min_p > 0.0 for p in params) else None)
         return SamplingTensors(temperature.to(device, non_blocking=True),
                                top_k.to(device, non_blocking=True),
-                               top_p.to(device, non_blocking=True), SamplingKinds.of(params))
+                               top_p.to(device, non_blocking=True), SamplingKinds.of(params),
+                               min_p)
 
     def select(self, rows: torch.Tensor) -> "SamplingTensors":
         """The rows a bool mask or an index tensor picks."""
         return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                               self.kinds)
+                               self.kinds, None if self.min_p is None else self.min_p[rows])
 
     def repeat(self, counts: torch.Tensor, total: int | None = None) -> "SamplingTensors":
         """Row r `counts[r]` times in a row: counts [num_rows] -> [counts.sum()] rows (`total`:
         that sum when the caller knows it, which spares a device read)."""
-        return SamplingTensors(self.temperature.repeat_interleave(counts, output_size=total),
-                               self.top_k.repeat_interleave(counts, output_size=total),
-                               self.top_p.repeat_interleave(counts, output_size=total),
-                               self.kinds)
+        repeat = lambda t: (None if t is None  # noqa: E731
+                            else t.repeat_interleave(counts, output_size=total))
+        return SamplingTensors(repeat(self.temperature), repeat(self.top_k),
+                               repeat(self.top_p), self.kinds, repeat(self.min_p))
+
+    def filters(self, vocab_size: int) -> torch.Tensor:
+        """[num_rows] bool: sampled rows that some filter (top-k, top-p, min_p) truncates."""
+        out = (self.temperature != 0.0) & (((self.top_k > 0) & (self.top_k < vocab_size))
+                                           | (self.top_p < 1.0))
+        return out if self.min_p is None else out | ((self.temperature != 0.0) & (self.min_p > 0))
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -157,6 +232,8 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingTensors) -> torch.
     top_k = sampling.top_k if all_sampled else sampling.top_k[sampled]
     top_p = sampling.top_p if all_sampled else sampling.top_p[sampled]
     scaled = sub / temperature.unsqueeze(1)  # [n, vocab_size]
+    if sampling.min_p is not None:
+        scaled = _min_p_filter(scaled, sampling.min_p if all_sampled else sampling.min_p[sampled])
 
     use_top_k = (top_k > 0) & (top_k < vocab_size)
     if bool(use_top_k.any()):
@@ -196,6 +273,8 @@ def _probs_by_kinds(logits: torch.Tensor, sampling: SamplingTensors,
         scaled = logits.float().clone()  # [n, V]
     else:
         scaled = logits.float() / temperature.unsqueeze(1)  # [n, V]
+    if kinds.min_p and sampling.min_p is not None:
+        scaled = _min_p_filter(scaled, sampling.min_p)  # greedy rows are replaced below
     if 0 < kinds.top_k_max:
         top_k = sampling.top_k
         use_top_k = ~greedy & (top_k > 0) & (top_k < vocab_size)  # [n]
@@ -211,6 +290,15 @@ def _probs_by_kinds(logits: torch.Tensor, sampling: SamplingTensors,
     if one_hot is not None:
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
     return probs
+
+
+def _min_p_filter(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_p: tokens whose probability is below min_p times the row's largest set to
+    -inf. scaled [n, V] logits after temperature, min_p [n] (0: the row is kept whole) ->
+    [n, V]."""
+    probs = torch.softmax(scaled, dim=1)  # [n, V]
+    floor = min_p.unsqueeze(1) * probs.amax(dim=1, keepdim=True)  # [n, 1]
+    return scaled.masked_fill(probs < floor, float("-inf"))
 
 
 # The nucleus is searched among the most probable tokens by partial sorts of growing width first
@@ -258,7 +346,7 @@ def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling
     token i); tokens [n]; sampling per token [n] -> [n] float32. Equal to
     probs_from_logits(logits[rows], sampling).gather(1, tokens) up to float rounding. Greedy rows
     take an argmax and plain rows a log-sum-exp, both over the whole logits matrix when one kind
-    covers every row (no copy of vocabulary-sized rows); top-k / top-p rows go through
+    covers every row (no copy of vocabulary-sized rows); top-k / top-p / min_p rows go through
     probs_from_logits. row_argmax [num_logit_rows]: every logit row's argmax, when the caller
     has it already (greedy rows then cost no pass over the logits).
     """
@@ -271,7 +359,8 @@ def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling
             row_argmax = argmax_first(logits, dim=1)  # [num_logit_rows]
         return (row_argmax[rows] == tokens).float()
     if (kinds is not None and not kinds.greedy and kinds.top_k_max == 0 and not kinds.top_p
-            and kinds.temperature is not None and n * 2 >= logits.shape[0]):
+            and not kinds.min_p and kinds.temperature is not None
+            and n * 2 >= logits.shape[0]):
         # One temperature, no filter, most of the matrix: log-normalisers of every row in one
         # pass and the tokens' logits read in place (no copy of vocabulary-sized rows at T = 1).
         t = kinds.temperature
@@ -280,8 +369,7 @@ def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling
         return torch.exp(scaled[rows, tokens] - lse[rows])
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
     greedy = sampling.temperature == 0.0
-    filtered = ~greedy & (((sampling.top_k > 0) & (sampling.top_k < logits.shape[1]))
-                          | (sampling.top_p < 1.0))
+    filtered = sampling.filters(logits.shape[1])
     plain = ~greedy & ~filtered
     if bool(greedy.any()):
         if row_argmax is None:
@@ -312,13 +400,13 @@ def probs_at_columns(logits: torch.Tensor, columns: torch.Tensor, sampling: Samp
 
     Equal to probs_from_logits(logits[rows], sampling).gather(1, columns) up to float rounding.
     Plain rows read k logits and one log-sum-exp per row (no distribution over V is written
-    out); greedy rows are 1 at the argmax; top-k / top-p rows go through probs_from_logits.
+    out); greedy rows are 1 at the argmax; filtered rows (top-k, top-p, min_p) go through
+    probs_from_logits.
     """
     n, k = columns.shape
     out = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     greedy = sampling.temperature == 0.0
-    filtered = ~greedy & (((sampling.top_k > 0) & (sampling.top_k < logits.shape[1]))
-                          | (sampling.top_p < 1.0))
+    filtered = sampling.filters(logits.shape[1])
     plain = ~greedy & ~filtered
     if bool(greedy.any()):
         argmax = argmax_first(logits[rows[greedy]], dim=1)  # [g]

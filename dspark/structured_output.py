@@ -249,10 +249,9 @@ class GrammarState:
         advanced = num_filled = 0
         try:
             for j in range(num_rows):
-                self.matcher.fill_next_token_bitmask(self._bitmask, 0)
-                words[j] = self._bitmask[0]
+                self.matcher.fill_next_token_bitmask(words, j)  # row j in place
                 num_filled += 1
-                if j == len(drafts) or not _bit(self._bitmask[0], int(drafts[j])):
+                if j == len(drafts) or not _bit(words[j], int(drafts[j])):
                     break  # the grammar refuses the draft (so would accept_token, noisily)
                 if not self.matcher.accept_token(int(drafts[j])):
                     break

@@ -10,6 +10,9 @@ It owns the target runner (and so every request's KV cache) and offers the engin
   *prefill chunks* (`PrefillChunk`): pieces of joining requests' prompts read in the same
   forward (chunked prefill), the last piece of a prompt sampling its first token as `prefill`
   does;
+- the requests' logits processing (dspark.logits_processing: logit_bias, min_tokens, penalties)
+  is applied to the target's rows between the forward and rejection sampling, on a copy: the
+  distributions verified against are the processed ones, the log-probabilities the raw ones;
 - `take_features`: the features of items marked `hold_features`, kept here until the drafter
   needs them (dspark.feature_stash);
 - `release`.
@@ -30,6 +33,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from dspark.feature_stash import FeaturePiece, FeatureStash
+from dspark.logits_processing import LogitsProcessing
 from dspark.logprobs import TokenLogprobs, grouped_token_logprobs
 from dspark.models.draft_types import DraftBlock
 from dspark.models.runner import ForwardItem, TargetRunner
@@ -92,6 +96,10 @@ class PrefillChunk:
     (dspark.logprobs); None = none."""
     grammar: GrammarRequest | None = None
     """A final chunk with structured output: the first token is sampled under this grammar."""
+    prompt_length: int | None = None
+    """A preempted request re-reading its output (engine recomputation, a restore): its prompt's
+    length; the tokens from that position on are output to its logits processing (penalties,
+    min_tokens). None: the chunk is prompt."""
 
 
 @dataclass
@@ -148,6 +156,8 @@ class TargetVerifier:
         """Called with every verification's batch before its verdict (benchmarks)."""
         self.stash = FeatureStash()
         """Features of items marked hold_features, until `take_features`."""
+        self.processing = LogitsProcessing(runner.vocab_size, runner.device)
+        """Each request's logits processing (dspark.logits_processing), from its first chunk."""
 
     @property
     def vocab_size(self) -> int:
@@ -184,20 +194,23 @@ class TargetVerifier:
             if chunk.continued != self.runner.has_request(chunk.request_id):
                 state = "unknown" if chunk.continued else "already held"
                 raise ValueError(f"prefill chunk of {chunk.request_id!r}: request {state}")
-        new = [c.request_id for c in prefill if not c.continued]
-        for rid in new:
-            self.runner.add_request(rid)
+        new = [c for c in prefill if not c.continued]
+        for chunk in new:
+            self.runner.add_request(chunk.request_id)
         try:
+            for chunk in new:
+                self.processing.start(chunk.request_id, chunk.sampling)
             return self._verify(requests, prefill)
         except BaseException:
-            for rid in new:
-                self.runner.free(rid)
+            for chunk in new:
+                self.runner.free(chunk.request_id)
+                self.processing.release(chunk.request_id)
             raise
 
     def _verify(self, requests: Sequence[VerifyRequest],
                 prefill: Sequence[PrefillChunk]) -> VerifyOutput:
         items, tokens, probs, indices = [], [], [], []
-        lens, drafts_of = [], []  # [R] l_r and the admitted drafts as host ints
+        lens, drafted = [], []  # [R] l_r and the admitted drafts as host ints
         # The drafter may return some blocks sparse (greedy: k = 1) and others dense (plain
         # sampling); a mixed batch is verified dense: the same distributions, written out.
         device = self.runner.device
@@ -209,6 +222,7 @@ class TargetVerifier:
             n = req.num_drafts if req.block is not None else 0
             block = next(blocks) if n else None  # the admitted block, on the device
             drafts = next(host_drafts) if n else []
+            drafted.append(drafts)
             if n:
                 tokens.append(block.tokens[:n])
                 if mixed and block.is_sparse:
@@ -218,7 +232,6 @@ class TargetVerifier:
                     if block.indices is not None:
                         indices.append(block.indices[:n])
             lens.append(n)
-            drafts_of.append(drafts)
             items.append(ForwardItem(req.request_id, [req.anchor_token] + drafts, logits_from=0))
         states = [self._grammar_state(r.request_id, r.grammar) for r in requests]  # [R]
         chunk_states = [self._grammar_state(c.request_id, c.grammar) if c.final else None
@@ -232,6 +245,7 @@ class TargetVerifier:
         out = self.runner.forward(items)  # logits: l_r + 1 rows per request, then 1 per final chunk
         step_seconds = time.perf_counter() - start
         verify_rows = sum(lens) + len(requests)
+        logits = self._processed_logits(out.logits, requests, prefill, drafted)
 
         num_accepted, output_tokens, features, logprobs = [], [], [], None
         if requests:
@@ -256,7 +270,7 @@ class TargetVerifier:
                 draft_tokens=(torch.cat(tokens) if tokens
                               else torch.zeros(0, dtype=torch.int64, device=device)),
                 draft_lens=draft_lens, draft_probs=draft_probs,
-                target_logits=_constrained(out.logits[:verify_rows], states, drafts_of),
+                target_logits=_constrained(logits[:verify_rows], states, drafted),
                 sampling=[r.sampling for r in requests])
             if self.batch_observer is not None:
                 self.batch_observer(batch)
@@ -271,6 +285,7 @@ class TargetVerifier:
             logprobs = _output_logprobs(requests, lens, output_tokens, out.logits[:verify_rows])
             for i, (req, old, accepted) in enumerate(zip(requests, old_lengths, num_accepted)):
                 self.runner.truncate(req.request_id, old + 1 + accepted)  # drop rejected drafts
+                self.processing.observe_output(req.request_id, output_tokens[i][:accepted])
                 hidden = out.hidden_of(i)[:1 + accepted] if out.hidden is not None else None
                 flat = self._flat_features(hidden)
                 # Once a request holds features, later ones are held too: its context stays in
@@ -282,8 +297,8 @@ class TargetVerifier:
                         torch.tensor(committed, dtype=torch.int64)))
                     flat = None
                 features.append(flat)
-        chunks = self._chunk_outputs(prefill, out, len(requests), out.logits[verify_rows:],
-                                     chunk_starts, chunk_states)
+        chunks = self._chunk_outputs(prefill, out, len(requests), logits[verify_rows:],
+                                     out.logits[verify_rows:], chunk_starts, chunk_states)
         if chunks is not None:
             for i, (chunk, start) in enumerate(zip(prefill, chunk_starts)):
                 held = chunk.hold_features or chunk.request_id in self.stash
@@ -298,12 +313,36 @@ class TargetVerifier:
                             prefill_tokens=sum(len(c.token_ids) for c in prefill),
                             logprobs=logprobs)
 
+    def _processed_logits(self, logits: torch.Tensor, requests: Sequence[VerifyRequest],
+                          prefill: Sequence[PrefillChunk], drafts: Sequence[Sequence[int]]
+                          ) -> torch.Tensor:
+        """The target distribution's logits (dspark.logits_processing): the forward's logits
+        [verify rows + final chunks, V] with each processed request's rows processed, after its
+        processing observed what this forward read (chunk tokens; a round's anchor). The raw
+        logits themselves when no request is processed."""
+        if not any(r.request_id in self.processing for r in requests) and not any(
+                c.request_id in self.processing for c in prefill):
+            return logits
+        rows, start = [], 0
+        for req, d in zip(requests, drafts):
+            self.processing.observe_output(req.request_id, [req.anchor_token])
+            rows.append((req.request_id, start, d))
+            start += len(d) + 1
+        for chunk in prefill:
+            self.processing.observe(chunk.request_id, list(chunk.token_ids), chunk.prompt_length)
+            if chunk.final:
+                rows.append((chunk.request_id, start, []))
+                start += 1
+        return self.processing.apply(logits, rows)
+
     def _chunk_outputs(self, prefill: Sequence[PrefillChunk], out, first_item: int,
-                       logits: torch.Tensor, chunk_starts: Sequence[int],
+                       logits: torch.Tensor, raw_logits: torch.Tensor,
+                       chunk_starts: Sequence[int],
                        states: Sequence[GrammarState | None]) -> ChunkOutput | None:
-        """First tokens of the final chunks (from `logits` [num_final, V], in order) and every
-        chunk's features; chunk_starts [num_chunks]: where each chunk begins in its prompt;
-        states [num_chunks]: a final chunk's grammar state (None: unconstrained)."""
+        """First tokens of the final chunks (from `logits` [num_final, V], in order, processed;
+        their log-probabilities from `raw_logits`, the same rows unprocessed) and every chunk's
+        features; chunk_starts [num_chunks]: where each chunk begins in its prompt; states
+        [num_chunks]: a final chunk's grammar state (None: unconstrained)."""
         if not prefill:
             return None
         final = [c for c in prefill if c.final]
@@ -325,7 +364,7 @@ class TargetVerifier:
                     state.observe([token])
             asked = [c.logprobs for c in final]
             if any(k is not None for k in asked):
-                rows = iter(_rows_logprobs(logits, first_tokens, asked))
+                rows = iter(_rows_logprobs(raw_logits, first_tokens, asked))
                 logprobs = [next(rows) if c.final else None for c in prefill]
         features = [self._flat_features(out.hidden_of(first_item + i)) if out.hidden is not None
                     else None for i in range(len(prefill))]
@@ -356,6 +395,7 @@ class TargetVerifier:
     def release(self, request_id: Hashable) -> None:
         self.grammar_states.pop(request_id, None)
         self.stash.drop(request_id)
+        self.processing.release(request_id)
         if self.runner.has_request(request_id):
             self.runner.free(request_id)
 

@@ -137,12 +137,15 @@ def test_response_formats_parse(compiler):
 
 # -- end to end ----------------------------------------------------------------------------------
 def constrained_greedy(model, compiler, prompt: list[int], spec: GrammarSpec,
-                       max_tokens: int) -> list[int]:
-    """Reference: argmax of transformers' logits under the grammar, one token at a time."""
+                       max_tokens: int, bias: dict[int, float] | None = None) -> list[int]:
+    """Reference: argmax of transformers' logits (plus `bias`) under the grammar, one token at
+    a time."""
     state, out = compiler.start(spec, [EOS]), []
     with torch.no_grad():
         while len(out) < max_tokens and (not out or out[-1] != EOS):
             logits = model(torch.tensor([prompt + out])).logits[0, -1]
+            for token, value in (bias or {}).items():
+                logits[token] += value
             logits = logits.masked_fill(~state.row_masks([])[0], float("-inf"))
             out.append(int(logits.argmax()))
             state.observe(out[-1:])
@@ -183,6 +186,25 @@ def test_greedy_schema_outputs_are_the_constrained_reference(json_target, compil
         check_schema(json.loads(tokenizer.decode(outputs[i][:-1])))
     if policy == "fixed:7":
         assert admitted > accepted > 0  # drafts were verified, some refused by the grammar
+
+
+def test_logit_bias_moves_only_what_the_grammar_allows(json_target, compiler):
+    """logit_bias (dspark.logits_processing) and the grammar mask on the same rows: a +100 bias
+    on a letter the grammar refuses outside strings changes nothing there, and one on an
+    allowed letter wins where it may stand."""
+    folder, model, tokenizer = json_target
+    spec = GrammarSpec.json_schema(SCHEMA)
+    bias = {tokenizer("z")["input_ids"][0]: 100.0, tokenizer("n")["input_ids"][0]: 100.0}
+    engine = make_engine(folder, "fixed:7")
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add_request(p, SamplingParams(temperature=0, logit_bias=bias), 64, [EOS],
+                           request_id=i, grammar=spec)
+    outputs, finish, _, _ = run(engine)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        assert outputs[i] == constrained_greedy(model, compiler, prompt, spec, 64, bias), i
+        value = json.loads(tokenizer.decode(outputs[i][:-1]))
+        check_schema(value)
+        assert value["tag"] == "zzz"  # the string takes the biased letter up to maxLength
 
 
 @pytest.mark.parametrize("chunk", [256, 0])

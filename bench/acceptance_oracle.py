@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dspark.devices import add_device_argument, resolve_device
-from dspark.calibration import ece_noise_floor, expected_calibration_error, roc_auc
+from dspark.calibration.metrics import ece_noise_floor, expected_calibration_error, roc_auc
 from dspark.cost_table import CostTable
 from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
 from dspark.loading import build_engine

@@ -27,18 +27,20 @@ import torch
 from dspark.devices import add_device_argument, resolve_device
 from dspark.block_verification import stop_probabilities
 from dspark.cpu_info import cpu_line
+from dspark.draft_packing import dense_draft_rows
 from dspark.evaluation.acceptance import CollectConfig, collect_records
 from dspark.evaluation.eval_cli import read_eval_prompts
 from dspark.fetch import ensure_model
 from dspark.loading import load_method_drafter, load_target
 from dspark.models.drafter_config import DrafterConfig
+from dspark.models.runner import TargetRunner
 from dspark.paths import DEFAULT_DRAFTER, EVAL_PROMPTS_DIR
-from dspark.random_draws import CounterGenerator
-from dspark.rejection import (VerificationRule, VerifyBatch, dense_draft_rows, draw_uniforms,
-                              verify)
+from dspark.random_draws import CounterGenerator, draw_uniforms
+from dspark.rejection import VerificationRule, VerifyBatch, verify
 from dspark.sampling import SamplingTensors, probs_from_logits
 from dspark.stop_tokens import stop_token_ids
 from dspark.training.data import encode_chat
+from dspark.verifier import PackedRound, RoundVerdict, TargetVerifier, verify_round
 
 SETS = ("gsm8k", "math500", "humaneval", "mt-bench")
 
@@ -65,6 +67,27 @@ def expected_accepted(batch: VerifyBatch) -> list[tuple[float, float]]:
             never_later *= 1.0 - h[i - 1]
         out.append((token_rule, block_rule))
     return out
+
+
+class ScoringVerifier(TargetVerifier):
+    """The token-rule verifier whose verify step (`verify_round`) also scores every batch it
+    verifies (`expected_accepted`) and keeps the first `keep` batches for timing."""
+
+    def __init__(self, runner: TargetRunner, keep: int) -> None:
+        super().__init__(runner, VerificationRule.TOKEN)
+        self.keep = keep
+        self.scores: list[tuple[float, float]] = []
+        """(token rule, block rule) expected accepted drafts of every sampled round."""
+        self.batches: list[VerifyBatch] = []
+        """The first `keep` verified batches."""
+
+    def verify_packed(self, packed: PackedRound, logits: torch.Tensor) -> RoundVerdict:
+        verdict = verify_round(packed, logits, self.rule)
+        if verdict.batch is not None:
+            self.scores.extend(expected_accepted(verdict.batch))
+            if len(self.batches) < self.keep:
+                self.batches.append(verdict.batch)
+        return verdict
 
 
 def verify_ms(batches: list[VerifyBatch], rule: VerificationRule, repeats: int) -> float:
@@ -112,8 +135,6 @@ def main() -> int:
     verify_len = args.verify_len or drafter.gamma
     if not 1 <= verify_len <= drafter.gamma:
         parser.error(f"--verify-len must lie in 1..{drafter.gamma}")
-    from dspark.verifier import TargetVerifier
-
     print(f"# {cpu_line()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}; "
           f"{args.checkpoint}, temperature {args.temperature:g}, the first {verify_len} of "
           f"{drafter.gamma} drafts verified", flush=True)
@@ -124,19 +145,13 @@ def main() -> int:
     for name in args.sets.split(","):
         prompts = [encode_chat(tokenizer, t)
                    for t in read_eval_prompts(args.eval_dir / f"{name}.jsonl", args.limit)]
-        scores: list[tuple[float, float]] = []
-        verifier = TargetVerifier(runner, VerificationRule.TOKEN)
-
-        def observe(batch: VerifyBatch) -> None:
-            scores.extend(expected_accepted(batch))
-            if len(recorded) < args.timed_batches:
-                recorded.append(batch)
-
-        verifier.batch_observer = observe
+        verifier = ScoringVerifier(runner, keep=args.timed_batches - len(recorded))
         collect_records(verifier, drafter, prompts,
                         CollectConfig(verify_len=verify_len, temperature=args.temperature,
                                       max_tokens=args.max_tokens, max_running=args.max_running,
                                       stop_token_ids=stop_token_ids(tokenizer)))
+        scores = verifier.scores
+        recorded += verifier.batches
         if not scores:
             parser.error(f"{name}: no sampled round verified a draft")
         token_rule = statistics.fmean(s[0] for s in scores)

@@ -30,7 +30,7 @@ import torch
 
 from acceptance_oracle import REPO, CapturingDrafter, CapturingRunner
 from dspark.devices import add_device_argument, resolve_device
-from dspark.calibration import roc_auc
+from dspark.calibration.metrics import roc_auc
 from dspark.cost_table import CostTable
 from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
 from dspark.loading import build_engine

@@ -25,8 +25,9 @@ import torch
 from dspark.admission import AdmissionConfig, Admitter, survival_probs
 from dspark.cost_table import CostTable, ThetaObjective
 from dspark.cpu_info import cpu_line
-from dspark.random_draws import CounterGenerator
-from dspark.rejection import SparseDraftProbs, VerifyBatch, draw_uniforms, verify, verify_reference
+from dspark.draft_packing import SparseDraftProbs
+from dspark.random_draws import CounterGenerator, draw_uniforms
+from dspark.rejection import VerifyBatch, verify, verify_reference
 from dspark.sampling import SamplingParams
 
 ADMISSION_GOAL_MS = 1.0

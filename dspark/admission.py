@@ -395,6 +395,9 @@ class AsyncTopKAdmission:
         """K used by the last :meth:`admit` call (before clipping to the available candidates)."""
         self.used_prior: bool = False
         """Whether the last call had no history and used the warm-up prior K."""
+        self.next_step = 0
+        """The step after the last one recorded (admitted, probed or skipped): the default
+        ``step_index`` of :meth:`admit`, :meth:`planned_capacity` and :meth:`planned_gain`."""
 
     def _mean_block(self, num_requests: int, block_size: int) -> np.ndarray:
         """``[num_requests, block_size]`` of the running means (the prior where none yet)."""
@@ -437,14 +440,17 @@ class AsyncTopKAdmission:
         self.mean_confidence = old
         self._means_version += 1
 
-    def admit(self, c_fresh: Any, step_index: int, max_lengths: Any = None,
+    def admit(self, c_fresh: Any, step_index: int | None = None, max_lengths: Any = None,
               block_size: int | None = None) -> np.ndarray:
-        """Lengths ``[num_requests]`` for step ``step_index`` from confidences ``[num_requests, n]``.
+        """Lengths ``[num_requests]`` for step ``step_index`` (default :attr:`next_step`) from
+        confidences ``[num_requests, n]``.
 
         block_size: the drafter's whole block (>= n) when it drafted only the first n positions;
         the K handed to step ``t + lag`` then sees positions n+1..block_size at their running
         means (after this round's own).
         """
+        if step_index is None:
+            step_index = self.next_step
         c = _as_confidences(c_fresh)
         a = survival_probs(c)  # [num_requests, n]
         num_requests, n = a.shape
@@ -475,6 +481,7 @@ class AsyncTopKAdmission:
 
     def _hand_on(self, step_index: int, decision: tuple[int, float]) -> None:
         """(K, gain) for step ``t + lag``; forget what was decided for steps already past."""
+        self.next_step = step_index + 1
         for stale in [s for s in self._capacity_for_step if s <= step_index]:
             del self._capacity_for_step[stale]
             self._gain_for_step.pop(stale, None)
@@ -502,13 +509,14 @@ class AsyncTopKAdmission:
         self.capacity_used = 0
         self.used_prior = False
 
-    def planned_capacity(self, step_index: int) -> int | None:
-        """K already decided for step ``step_index`` (None: no history, the prior will decide)."""
-        return self._capacity_for_step.get(step_index)
+    def planned_capacity(self, step_index: int | None = None) -> int | None:
+        """K already decided for step ``step_index`` (default :attr:`next_step`; None: no
+        history, the prior will decide)."""
+        return self._capacity_for_step.get(self.next_step if step_index is None else step_index)
 
-    def planned_gain(self, step_index: int) -> float | None:
+    def planned_gain(self, step_index: int | None = None) -> float | None:
         """The expected gain (max Theta / Theta without drafts) of that decision, or None."""
-        return self._gain_for_step.get(step_index)
+        return self._gain_for_step.get(self.next_step if step_index is None else step_index)
 
     def skip(self, step_index: int, num_requests: int | None = None,
              block_size: int | None = None) -> None:
@@ -524,7 +532,10 @@ class AsyncTopKAdmission:
 
 
 class Admitter:
-    """One admission decision per round under a configured policy (thin wrapper over the maths)."""
+    """One admission decision per round under a configured policy (thin wrapper over the maths).
+
+    What only ``async_topk`` does between its admissions (skipped rounds, plain checks, probes)
+    is its round policy's (dspark.round_policy.AsyncTopKPolicy), on :attr:`async_topk`."""
 
     def __init__(self, config: AdmissionConfig, cost_table: CostTable | None = None) -> None:
         self.config = config
@@ -532,23 +543,23 @@ class Admitter:
         kind = config.policy.kind
         if kind in (PolicyKind.SYNC_GREEDY, PolicyKind.ASYNC_TOPK) and cost_table is None:
             raise ValueError(f"policy {config.policy} needs a cost table")
-        self._async = (
+        self.async_topk = (
             AsyncTopKAdmission(cost_table, config)
             if kind is PolicyKind.ASYNC_TOPK
             else None
         )
-        self._step = 0
+        """The lagged admission's state under ``async_topk``; None for the other policies."""
 
     @property
     def capacity_used(self) -> int | None:
         """``async_topk``: the K its last decision used (None for the other policies)."""
-        return None if self._async is None else self._async.capacity_used
+        return None if self.async_topk is None else self.async_topk.capacity_used
 
     def planned_capacity(self) -> int | None:
         """``async_topk``: the next step's K, decided ``lag`` steps ago (None: other policies, or
         no history yet). It bounds the next step's admissions: a request's j-th draft is only
         admitted with its first j - 1, so no draft past position K can be verified."""
-        return None if self._async is None else self._async.planned_capacity(self._step)
+        return None if self.async_topk is None else self.async_topk.planned_capacity()
 
     def positions_to_draft(self, gamma: int) -> int:
         """Block positions worth drafting for the next step: no policy admits a draft past them.
@@ -563,42 +574,6 @@ class Admitter:
         planned = self.planned_capacity()
         return gamma if planned is None else min(gamma, planned + 1)
 
-    def planned_gain(self) -> float | None:
-        """``async_topk``: the expected gain of the next step's K over no drafts
-        (:meth:`AsyncTopKAdmission.planned_gain`); None for the other policies or no history."""
-        return None if self._async is None else self._async.planned_gain(self._step)
-
-    def capacity_known_zero(self) -> bool:
-        """``async_topk``: whether the next step's K, decided ``lag`` steps ago, is 0. Such a step
-        verifies no drafts whatever the drafter returns, so the caller may skip drafting and call
-        :meth:`skip` instead of :meth:`admit`. (The decision uses only old information: never
-        the values of this step's drafts.)"""
-        return self.planned_capacity() == 0
-
-    def skip(self, num_requests: int | None = None, block_size: int | None = None) -> None:
-        """Record a step that drafted nothing because :meth:`capacity_known_zero` held (for
-        ``num_requests`` running requests with blocks of ``block_size``, if given)."""
-        assert self.capacity_known_zero(), "skip() is only for steps whose K is known to be 0"
-        self._async.skip(self._step, num_requests, block_size)
-        self._step += 1
-
-    def plain_check(self, num_requests: int, block_size: int) -> None:
-        """``async_topk``: record a step that drafts nothing although its K may be > 0 (the
-        caller's plain check, decided from the round count and old decisions only). It verifies
-        no drafts; the K of step ``t + lag`` comes from the running means, as after a skip."""
-        assert self._async is not None, "plain_check() is only for async_topk"
-        self._async.skip(self._step, num_requests, block_size)
-        self._step += 1
-
-    def probe(self, c_sample: Any, num_requests: int, block_size: int) -> None:
-        """Record a step whose K is known to be 0 (:meth:`capacity_known_zero`) and for which the
-        drafter drafted only a sample of the ``num_requests`` running requests, chosen without
-        looking at their drafts: confidences ``c_sample [S, n]`` (see AsyncTopKAdmission.probe).
-        It verifies no drafts."""
-        assert self.capacity_known_zero(), "probe() is only for steps whose K is known to be 0"
-        self._async.probe(c_sample, self._step, num_requests, block_size)
-        self._step += 1
-
     def admit(self, c: Any, step_index: int | None = None, max_lengths: Any = None,
               block_size: int | None = None) -> np.ndarray:
         """Lengths ``[num_requests]`` (int64, 0..gamma) for confidences ``c [num_requests, gamma]``.
@@ -606,9 +581,6 @@ class Admitter:
         ``step_index`` numbers the rounds (only ``async_topk`` uses it); by default consecutive calls
         are consecutive steps.
         """
-        if step_index is None:
-            step_index = self._step
-        self._step = step_index + 1
         policy = self.config.policy
         kind = policy.kind
         if kind is PolicyKind.NONE:
@@ -625,5 +597,5 @@ class Admitter:
                 objective = ThetaObjective.PAPER
             return admit_sync_greedy(c, self.cost_table, max_lengths, objective)
         if kind is PolicyKind.ASYNC_TOPK:
-            return self._async.admit(c, step_index, max_lengths, block_size)
+            return self.async_topk.admit(c, step_index, max_lengths, block_size)
         raise AssertionError(f"unhandled policy {kind}")

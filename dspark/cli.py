@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fetch-model": ("dspark.fetch", "prepare the demo target model offline and print its folder"),
     "profile": ("dspark.profiling", "measure the target's steps per second SPS(B); write the cost table and plot"),
     "generate": ("dspark.generate", "stream a generation from the embedded engine"),
-    "bench": ("dspark.evaluation.speed",
+    "bench": ("dspark.evaluation.speed.bench_cli",
               "end-to-end speed tables: tokens/s per method vs target-only and transformers peers"),
     "demo": ("dspark.demo", "show lossless verification on a toy target and drafter"),
     "data": ("dspark.training.data", "generate the drafter's training data: the target answers prompts"),

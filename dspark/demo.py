@@ -12,8 +12,8 @@ import argparse
 
 import torch
 
-from dspark.random_draws import CounterGenerator
-from dspark.rejection import VerifyBatch, draw_uniforms, verify
+from dspark.random_draws import CounterGenerator, draw_uniforms
+from dspark.rejection import VerifyBatch, verify
 from dspark.sampling import SamplingParams, SamplingTensors, probs_from_logits, sample_from_probs
 
 

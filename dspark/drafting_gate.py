@@ -215,7 +215,7 @@ class DraftingGate:
         round often starts between one user's last token and its next request (16 -> 15 in the
         engine), and resetting there kept the probes 12-28 rounds apart at 16 users. A smaller
         fall needs no probe to raise K: a skipped round hands on the K of the running means at
-        its own request count (Admitter.skip)."""
+        its own request count (AsyncTopKAdmission.skip)."""
         if self.fruitless_load is not None and 2 * load <= self.fruitless_load:
             self.probe_interval, self.fruitless_load = self.config.probe_interval, None
 

@@ -310,7 +310,8 @@ class Engine:
         out = self.verifier.prefill([r.request_id for r in joining], [r.prompt_ids for r in joining],
                                     [r.sampling for r in joining], [r.generator for r in joining],
                                     asked if any(k is not None for k in asked) else None,
-                                    grammars if any(g is not None for g in grammars) else None)
+                                    grammars=grammars if any(g is not None for g in grammars)
+                                    else None)
         self._step.seconds.prefill += time.perf_counter() - start
         outputs += self._take_chunks(planned, out)
         self._retire_finished()

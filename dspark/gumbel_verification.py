@@ -79,7 +79,7 @@ def verify_invariant(batch, draws):
 
     if draws.seeds is None or draws.anchor_positions is None:
         raise ValueError("the drafter-invariant rule needs keyed draws (seeds and anchor "
-                         "positions: dspark.rejection.draw_uniforms)")
+                         "positions: dspark.random_draws.draw_uniforms)")
     device = batch.target_logits.device
     num_requests = batch.num_requests
     lens = batch.draft_lens.to(device)  # [R]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dspark.admission import AdmissionPolicy
-from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
+from dspark.calibration.sts_map import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
 from dspark.cost_table import CostTable
 from dspark.cpu_info import cpu_description
 from dspark.devices import resolve_device  # noqa: F401 (the services and CLIs import it here)

@@ -150,6 +150,10 @@ class LogitsProcessing:
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._processors
 
+    def __len__(self) -> int:
+        """Requests with processing (0: the verifier skips every step of it)."""
+        return len(self._processors)
+
     def start(self, request_id: Hashable, params: SamplingParams) -> None:
         """A request's first prompt chunk: its processors (none: no entry), replacing any."""
         self.release(request_id)
@@ -170,14 +174,15 @@ class LogitsProcessing:
         processors = self._processors.get(request_id)
         if processors is None or not tokens:
             return
+        tokens = list(tokens)
         start = self._lengths[request_id]
         split = len(tokens) if prompt_length is None else min(len(tokens),
                                                                max(0, prompt_length - start))
         for p in processors:
             if split:
-                p.observe(list(tokens[:split]), False)
+                p.observe(tokens[:split], False)
             if split < len(tokens):
-                p.observe(list(tokens[split:]), True)
+                p.observe(tokens[split:], True)
         self._lengths[request_id] = start + len(tokens)
 
     def observe_output(self, request_id: Hashable, tokens: Sequence[int]) -> None:

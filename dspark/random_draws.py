@@ -32,6 +32,9 @@ representable in float32 and strictly inside (0, 1). Everything is int64 tensor 
 (products of two 32-bit words wrap modulo 2^64 and keep their low 64 bits, which is all the
 mul-hi/lo needs), so it runs on any device, vectorised, with no per-token Python loop.
 
+`draw_uniforms` draws one verification round's ACCEPT and NEXT uniforms for a whole batch
+(`RandomDraws`, what dspark.rejection.verify consumes).
+
 Unseeded requests get a fresh seed when they are admitted (`fresh_seed`, from torch's global
 stream), so seeded and unseeded requests take the one path.
 """
@@ -181,3 +184,47 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     h = (token_ids * _GOLDEN32 + row[:, 0:1]) & MASK32  # [n, k]
     h = _fmix32(_fmix32(h) ^ row[:, 1:2])
     return -torch.log(-torch.log(unit_floats(h)))
+
+
+@dataclass
+class RandomDraws:
+    """The uniforms one verification consumes."""
+
+    accept_uniform: torch.Tensor  # [num_drafts] in [0, 1)
+    sample_uniform: torch.Tensor  # [num_requests] in [0, 1)
+    seeds: torch.Tensor | None = None  # [num_requests] int64 keys (seed_tensor)
+    anchor_positions: torch.Tensor | None = None  # [num_requests] int64, n_r of each request
+
+    def to(self, device: torch.device | str) -> "RandomDraws":
+        """The same draws on `device` (drawn on the host, used where the logits are)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return RandomDraws(move(self.accept_uniform), move(self.sample_uniform),
+                           move(self.seeds), move(self.anchor_positions))
+
+
+def draw_uniforms(draft_lens: torch.Tensor,
+                  generators: CounterGenerator | Sequence[CounterGenerator],
+                  anchor_positions: torch.Tensor | Sequence[int]) -> RandomDraws:
+    """The uniforms of one verification round, keyed (dspark.random_draws): request r's accept
+    uniforms are ACCEPT (n_r, k) for k = 1..l_r and its recovered/bonus uniform NEXT (n_r, 0),
+    where n_r is its anchor's position, under its generator's seed. They depend on nothing
+    else: not on the batch around the request, nor on what it drew before.
+
+    draft_lens [num_requests]; generators: one per request, or one for all (then the anchor
+    positions must tell the requests apart); anchor_positions [num_requests].
+    """
+    num_requests = draft_lens.shape[0]
+    if isinstance(generators, CounterGenerator):
+        generators = [generators] * num_requests
+    if len(generators) != num_requests:
+        raise ValueError(f"{len(generators)} generators for {num_requests} requests")
+    device = draft_lens.device
+    seeds = seed_tensor(generators, device)  # [num_requests]
+    anchors = torch.as_tensor(anchor_positions, dtype=torch.int64, device=device)
+    assert anchors.shape == (num_requests,), (anchors.shape, num_requests)
+    req_of_draft = torch.repeat_interleave(torch.arange(num_requests, device=device), draft_lens)
+    first_draft = torch.cumsum(draft_lens, 0) - draft_lens  # [num_requests]
+    k = torch.arange(req_of_draft.shape[0], device=device) - first_draft[req_of_draft] + 1
+    accept = keyed_uniforms(seeds[req_of_draft], anchors[req_of_draft], k, Purpose.ACCEPT)
+    sample = keyed_uniforms(seeds, anchors, torch.zeros_like(anchors), Purpose.NEXT)
+    return RandomDraws(accept, sample, seeds, anchors)

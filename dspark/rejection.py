@@ -24,9 +24,12 @@ Flattened batch layout (no padding): request r owns draft rows
 
 Randomness is explicit (`RandomDraws`): one uniform per draft for the accept test and one per
 request for the recovered/bonus sample, so the batched `verify` and the per-request
-`verify_reference` can be held equal on the same draws. `draw_uniforms` keys them by the
-request's seed and its anchor's position (dspark.random_draws), so they never depend on the
-batch or on earlier rounds.
+`verify_reference` can be held equal on the same draws. `dspark.random_draws.draw_uniforms` keys
+them by the request's seed and its anchor's position, so they never depend on the batch or on
+earlier rounds.
+
+Draft distributions, dense or sparse, and their packing into one flattened batch:
+dspark.draft_packing. This module is the maths only.
 
 `VerificationRule.BLOCK` verifies the sampled requests' blocks as a whole instead
 (`dspark.block_verification`): the same draws, the same output distribution, at least as many
@@ -38,7 +41,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from enum import Enum
-from typing import Sequence, Union
+from typing import Sequence
 
 import torch
 
@@ -51,7 +54,21 @@ from dspark.block_verification import (
     residual_masses,
     weights_before,
 )
-from dspark.random_draws import CounterGenerator, Purpose, keyed_uniforms, seed_tensor
+from dspark.draft_packing import (
+    DraftProbs,
+    SparseDraftProbs,
+    dense_draft_rows,
+    draft_prob_of_tokens,
+    draft_support,
+)
+from dspark.random_draws import (
+    CounterGenerator,
+    Purpose,
+    RandomDraws,
+    draw_uniforms,  # noqa: F401 (verify's callers draw with it; it lives in random_draws)
+    keyed_uniforms,
+    seed_tensor,
+)
 from dspark.sampling import (
     SamplingParams,
     SamplingTensors,
@@ -61,34 +78,6 @@ from dspark.sampling import (
     sample_from_probs,
     token_probs_from_logits,
 )
-
-
-@dataclass
-class SparseDraftProbs:
-    """A draft distribution stored as its support: each row sums to 1 over `indices`."""
-
-    indices: torch.Tensor  # [num_drafts, k] int64 token ids
-    probs: torch.Tensor  # [num_drafts, k] float
-
-    @property
-    def shared_support(self) -> torch.Tensor | None:
-        """[k] the ids of every row, when `indices` is one row expanded (stride 0), else None."""
-        if self.indices.shape[0] > 0 and self.indices.stride(0) == 0:
-            return self.indices[0]
-        return None
-
-    def prob_of(self, tokens: torch.Tensor) -> torch.Tensor:
-        """p^d(token) per row; tokens [num_drafts] -> [num_drafts] (0 where not in the support)."""
-        hit = self.indices == tokens.unsqueeze(1)  # [num_drafts, k]
-        return (self.probs.float() * hit).sum(dim=1)
-
-    def dense_rows(self, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Dense p^d for the given rows: rows [n] -> [n, vocab_size] float32."""
-        out = torch.zeros(rows.shape[0], vocab_size, dtype=torch.float32, device=self.probs.device)
-        return out.scatter_add_(1, self.indices[rows], self.probs[rows].float())
-
-
-DraftProbs = Union[torch.Tensor, SparseDraftProbs]
 
 
 class VerificationRule(str, Enum):
@@ -147,22 +136,6 @@ class VerifyBatch:
 
 
 @dataclass
-class RandomDraws:
-    """The uniforms one verification consumes."""
-
-    accept_uniform: torch.Tensor  # [num_drafts] in [0, 1)
-    sample_uniform: torch.Tensor  # [num_requests] in [0, 1)
-    seeds: torch.Tensor | None = None  # [num_requests] int64 keys (dspark.random_draws)
-    anchor_positions: torch.Tensor | None = None  # [num_requests] int64, n_r of each request
-
-    def to(self, device: torch.device | str) -> "RandomDraws":
-        """The same draws on `device` (drawn on the host, used where the logits are)."""
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return RandomDraws(move(self.accept_uniform), move(self.sample_uniform),
-                           move(self.seeds), move(self.anchor_positions))
-
-
-@dataclass
 class VerifyResult:
     num_accepted: torch.Tensor  # [num_requests] int64, 0..l_r
     next_tokens: torch.Tensor  # [num_requests] int64: recovered token, or bonus when all accepted
@@ -186,34 +159,6 @@ class VerifyResult:
         return accepted, out
 
 
-def draw_uniforms(draft_lens: torch.Tensor,
-                  generators: CounterGenerator | Sequence[CounterGenerator],
-                  anchor_positions: torch.Tensor | Sequence[int]) -> RandomDraws:
-    """The uniforms of one verification round, keyed (dspark.random_draws): request r's accept
-    uniforms are ACCEPT (n_r, k) for k = 1..l_r and its recovered/bonus uniform NEXT (n_r, 0),
-    where n_r is its anchor's position, under its generator's seed. They depend on nothing
-    else: not on the batch around the request, nor on what it drew before.
-
-    draft_lens [num_requests]; generators: one per request, or one for all (then the anchor
-    positions must tell the requests apart); anchor_positions [num_requests].
-    """
-    num_requests = draft_lens.shape[0]
-    if isinstance(generators, CounterGenerator):
-        generators = [generators] * num_requests
-    if len(generators) != num_requests:
-        raise ValueError(f"{len(generators)} generators for {num_requests} requests")
-    device = draft_lens.device
-    seeds = seed_tensor(generators, device)  # [num_requests]
-    anchors = torch.as_tensor(anchor_positions, dtype=torch.int64, device=device)
-    assert anchors.shape == (num_requests,), (anchors.shape, num_requests)
-    req_of_draft = torch.repeat_interleave(torch.arange(num_requests, device=device), draft_lens)
-    first_draft = torch.cumsum(draft_lens, 0) - draft_lens  # [num_requests]
-    k = torch.arange(req_of_draft.shape[0], device=device) - first_draft[req_of_draft] + 1
-    accept = keyed_uniforms(seeds[req_of_draft], anchors[req_of_draft], k, Purpose.ACCEPT)
-    sample = keyed_uniforms(seeds, anchors, torch.zeros_like(anchors), Purpose.NEXT)
-    return RandomDraws(accept, sample, seeds, anchors)
-
-
 def sample_first_tokens(logits: torch.Tensor, sampling: SamplingTensors,
                         generators: Sequence[CounterGenerator], prompt_lengths: Sequence[int],
                         rule: VerificationRule = VerificationRule.TOKEN) -> torch.Tensor:
@@ -231,20 +176,6 @@ def sample_first_tokens(logits: torch.Tensor, sampling: SamplingTensors,
         return gumbel_first_tokens(logits, sampling, seeds, lengths)
     uniforms = keyed_uniforms(seeds, lengths - 1, torch.zeros_like(lengths), Purpose.NEXT)
     return sample_from_probs(probs_from_logits(logits, sampling), uniforms)
-
-
-def draft_prob_of_tokens(draft_probs: DraftProbs, tokens: torch.Tensor) -> torch.Tensor:
-    """p^d_k(x_k) for every draft row: [num_drafts]."""
-    if isinstance(draft_probs, SparseDraftProbs):
-        return draft_probs.prob_of(tokens)
-    return draft_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).float()
-
-
-def dense_draft_rows(draft_probs: DraftProbs, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Dense p^d for selected draft rows: rows [n] -> [n, vocab_size]."""
-    if isinstance(draft_probs, SparseDraftProbs):
-        return draft_probs.dense_rows(rows, vocab_size)
-    return draft_probs[rows].float()
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -346,21 +277,6 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
 def _host_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     """An index tensor built on the host and copied to `device` (no device read)."""
     return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-
-
-def draft_support(draft_probs: DraftProbs, rows: torch.Tensor, vocab_size: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selected draft rows on their support: (token ids [n, k], probabilities [n, k]); a
-    dense row's support is the whole vocabulary."""
-    if isinstance(draft_probs, SparseDraftProbs):
-        every_row = rows.shape[0] == draft_probs.indices.shape[0]  # rows are then 0..n-1
-        shared = draft_probs.shared_support
-        ids = (shared.expand(rows.shape[0], -1) if shared is not None
-               else draft_probs.indices if every_row else draft_probs.indices[rows])
-        return ids, (draft_probs.probs if every_row else draft_probs.probs[rows]).float()
-    every_row = rows.shape[0] == draft_probs.shape[0]
-    ids = torch.arange(vocab_size, device=rows.device).expand(rows.shape[0], -1)
-    return ids, (draft_probs if every_row else draft_probs[rows]).float()
 
 
 def _at_token_columns(values: torch.Tensor, support: torch.Tensor, q_support: torch.Tensor,

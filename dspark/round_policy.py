@@ -16,8 +16,9 @@ Each round the engine asks its policy:
   request and admits from that round's own block.
 - `AsyncTopKPolicy` (`async_topk`): K comes from rounds `lag` before (its running means of the
   confidences live in `AsyncTopKAdmission`), so before drafting it knows whether any draft can
-  be verified; it owns the drafting gate (probes, skips, plain checks, dspark/drafting_gate.py)
-  and decides when the verifier holds features (dspark/held_features.py).
+  be verified; it owns the drafting gate (probes, skips, plain checks, dspark/drafting_gate.py),
+  records the rounds that verify no drafts with its admission, and decides when the verifier
+  holds features (dspark/held_features.py).
 Every decision before verification uses old rounds, the load and which requests run, never the
 round's own drafts, so the output stays exact.
 """
@@ -29,7 +30,8 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from dspark.admission import AdmissionConfig, AdmissionPolicy, Admitter, PolicyKind
+from dspark.admission import (AdmissionConfig, AdmissionPolicy, Admitter, AsyncTopKAdmission,
+                              PolicyKind)
 from dspark.cost_table import CostTable
 from dspark.drafting_gate import DraftingGate, DraftingGateConfig, RoundMode, RoundPlan
 
@@ -119,25 +121,37 @@ class AsyncTopKPolicy(RoundPolicy):
         self.hold_features = hold_features
         """EngineConfig.hold_features."""
 
+    @property
+    def admission(self) -> AsyncTopKAdmission:
+        """The lagged admission's state (K per step, the running means)."""
+        return self.admitter.async_topk
+
+    def capacity_known_zero(self) -> bool:
+        """Whether the next round's K, decided ``lag`` rounds ago, is 0: such a round verifies
+        no drafts whatever the drafter returns, so it may skip drafting or draft only a probe's
+        sample. (The decision uses only old information: never the values of its drafts.)"""
+        return self.admission.planned_capacity() == 0
+
     def plan(self, running_ids: Sequence[Hashable], gamma: int, reads_prompt: bool,
              load: int) -> RoundPlan:
         """The gate decides from the admission's old decision, the load and which requests run;
-        a round that drafts nothing is recorded with the admission here."""
+        a round that drafts nothing verifies no drafts, and the K of the round ``lag`` later
+        comes from the running means (AsyncTopKAdmission.skip). The gate skips only rounds
+        whose K is known to be 0; a plain check may skip one whose K is > 0."""
         self.gate.reset_if_load_fell(load)
-        plan = self.gate.plan_round(running_ids, self.admitter.capacity_known_zero(),
-                                    self.admitter.planned_gain(), reads_prompt)
-        if plan.mode is RoundMode.PLAIN_CHECK:
-            self.admitter.plain_check(len(running_ids), gamma)
-        elif plan.mode is RoundMode.SKIP:
-            self.admitter.skip(len(running_ids), gamma)
+        plan = self.gate.plan_round(running_ids, self.capacity_known_zero(),
+                                    self.admission.planned_gain(), reads_prompt)
+        if plan.mode in (RoundMode.PLAIN_CHECK, RoundMode.SKIP):
+            self.admission.skip(self.admission.next_step, len(running_ids), gamma)
         return plan
 
     def admit(self, confidences: Any, caps: np.ndarray, gamma: int, num_running: int,
               sample: list[int] | None) -> np.ndarray:
         if sample is None:
             return self.admitter.admit(confidences, max_lengths=caps, block_size=gamma)
-        # a sampled probe: K is 0, nothing is verified, the blocks only inform K
-        self.admitter.probe(confidences, num_running, gamma)
+        # a sampled probe: its K is 0 (the gate probes only then), nothing is verified, the
+        # sample's confidences only inform the K of a later round
+        self.admission.probe(confidences, self.admission.next_step, num_running, gamma)
         return np.zeros(num_running, dtype=np.int64)
 
     def observe_draft(self, drafted_ids: list | None, load: int) -> bool:

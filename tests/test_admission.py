@@ -528,6 +528,22 @@ def test_every_policy_respects_max_lengths(policy):
         assert (lengths >= 0).all() and (lengths <= np.minimum(caps.numpy(), 9)).all()
 
 
+@pytest.mark.parametrize("policy", ["none", "fixed:2", "threshold:0.3", "sync_greedy", "async_topk"])
+def test_the_admitter_answers_every_question_under_every_policy(policy):
+    """What only async_topk records between admissions belongs to its round policy: each
+    public method of the Admitter answers whatever the policy (None where it has no K)."""
+    admitter = Admitter(AdmissionConfig(policy=policy, objective=ThetaObjective.PAPER),
+                        sawtooth_table())
+    for _ in range(3):
+        assert 1 <= admitter.positions_to_draft(4) <= 4
+        lengths = admitter.admit(np.full((2, 4), 0.9), block_size=4)
+        assert lengths.shape == (2,) and (lengths <= 4).all()
+    asynchronous = policy == "async_topk"
+    assert (admitter.capacity_used is not None) == asynchronous
+    assert (admitter.planned_capacity() is not None) == asynchronous
+    assert (admitter.async_topk is not None) == asynchronous
+
+
 def test_capped_requests_leave_room_for_others():
     # request 0 is very confident but may take only 1 more token; request 1 takes the capacity
     table = CostTable.from_step_seconds({b: 0.01 for b in range(1, 20)})  # free tokens up to 19

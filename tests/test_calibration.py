@@ -1,4 +1,4 @@
-"""Tests of dspark/calibration.py: metrics against slow references, STS on synthetic data with known
+"""Tests of dspark/calibration/: metrics against slow references, STS on synthetic data with known
 true probabilities (docs/design.md sections 4 and 9)."""
 
 import json
@@ -10,22 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.calibration import (
-    CALIBRATION_FILENAME,
-    CalibrationSet,
-    STSCalibration,
-    STSFitConfig,
-    brier_score,
-    calibration_report,
-    conditional_auc,
-    crossfit_ece,
-    ece_noise_floor,
-    expected_calibration_error,
-    fit_sts,
-    plot_reliability,
-    roc_auc,
-    survival_from_accepted_len,
-)
+from dspark.calibration.fit import STSFitConfig, crossfit_ece, fit_sts
+from dspark.calibration.metrics import (brier_score, conditional_auc, ece_noise_floor,
+                                        expected_calibration_error, roc_auc)
+from dspark.calibration.outcomes import survival_from_accepted_len
+from dspark.calibration.report import calibration_report, plot_reliability
+from dspark.calibration.sts_map import CALIBRATION_FILENAME, CalibrationSet, STSCalibration
 
 OVERCONFIDENCE = 2.5  # raw logit = 2.5 * true logit, so the ideal temperature is 2.5
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
-from dspark.models.draft_sampling import draw_uniforms as draft_uniforms
+from dspark.models.draft_sampling import draft_uniforms
 from dspark.models.draft_types import DraftRequest
 from dspark.random_draws import (CounterGenerator, Purpose, gumbel_noise, keyed_uniforms,
                                  philox4x32, seed_tensor)

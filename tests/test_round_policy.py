@@ -62,3 +62,5 @@ def test_async_topk_skips_probes_a_sample_and_then_holds_features():
     assert p.holds(RoundMode.SKIP, 0, 3) and not p.holds(RoundMode.PLAIN_CHECK, 0, 3)
     assert p.gate.found_nothing_to_verify
     assert p.admitter.config.policy.kind is PolicyKind.ASYNC_TOPK
+    assert p.admission.next_step == 8  # every round recorded: admitted, probed or skipped
+    assert p.capacity_known_zero()

@@ -1,2 +1,2 @@
 """Evaluation of drafters against the target: acceptance figures, calibration (docs/design.md 4, 9),
-and the end-to-end speed tables of `dspark bench` (`speed.py`)."""
+and the end-to-end speed tables of `dspark bench` (`speed/`)."""

@@ -29,8 +29,9 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
-from dspark.calibration import (CalibrationReport, STSCalibration, calibration_report,
-                                survival_from_accepted_len)
+from dspark.calibration.outcomes import survival_from_accepted_len
+from dspark.calibration.report import CalibrationReport, calibration_report
+from dspark.calibration.sts_map import STSCalibration
 from dspark.cost_table import CostTable
 from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
 from dspark.loading import build_engine

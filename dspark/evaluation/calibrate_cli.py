@@ -3,8 +3,8 @@
 The drafter generates answers to the held-out prompts of the training data file (records with
 `split == "heldout"`, never trained on) with full-block verification (`fixed:gamma`); every full
 round gives the raw confidences c_1..c_gamma and the observed prefix survival. Sequential
-Temperature Scaling (docs/design.md section 4, `dspark.calibration.fit_sts`) is fitted on them and
-written to `calibration.json` in the checkpoint folder, where `load_method_drafter(...,
+Temperature Scaling (docs/design.md section 4, `dspark.calibration.fit.fit_sts`) is fitted on them
+and written to `calibration.json` in the checkpoint folder, where `load_method_drafter(...,
 apply_calibration=True)` (and so inference) picks it up. stdout: the before/after table; a
 reliability diagram `reliability.png` is written beside the checkpoint.
 
@@ -216,8 +216,9 @@ def _fit_and_write(args: argparse.Namespace, rounds: list[Rounds], source: str) 
     temperature, print the reports (and with --json one JSON line keyed by temperature)."""
     import dataclasses
 
-    from dspark.calibration import (CALIBRATION_FILENAME, CalibrationSet, calibration_report,
-                                    fit_sts, plot_reliability)
+    from dspark.calibration.fit import fit_sts
+    from dspark.calibration.report import calibration_report, plot_reliability
+    from dspark.calibration.sts_map import CALIBRATION_FILENAME, CalibrationSet
 
     folder = args.checkpoint
     kind = "shifted STS" if args.shift else "STS"

@@ -118,7 +118,7 @@ def format_calibration_table(results: dict, calibrated: dict[str, bool]) -> str 
     """Markdown: per-position ECE raw / after STS and conditional AUC, per method with a head.
 
     "ECE floor" is the ECE a perfectly calibrated predictor would show with the same calibrated
-    predictions on this many rounds (`dspark.calibration.ece_noise_floor`)."""
+    predictions on this many rounds (`dspark.calibration.metrics.ece_noise_floor`)."""
     rows = {n: s for n, s in results.items() if s.calibration is not None}
     if not rows:
         return None
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from dspark.calibration import plot_reliability
+    from dspark.calibration.report import plot_reliability
     from dspark.evaluation.acceptance import CollectConfig, collect_records, summarize
     from dspark.loading import (has_confidence_head, load_calibration, load_method_drafter,
                                 load_target, resolve_device)

@@ -4,7 +4,7 @@
 parameter or drafter-side truncation: k) draw from the renormalised top-k of their logits, dense
 rows from the full draft vocabulary (returned sparse over it when it is reduced: its V_d target
 ids are the support). `sample_block_position` then draws position k for all of
-them from the uniforms `draw_uniforms` keys by each request's seed and anchor, and
+them from the uniforms `draft_uniforms` keys by each request's seed and anchor, and
 `assemble_blocks` turns the positions into one `DraftBlock` per request.
 
 Each token x_k is drawn from exactly the distribution returned for it (the draft distribution
@@ -175,7 +175,7 @@ def sample_block_position(logits: torch.Tensor, plan: RowPlan, uniforms: torch.T
     return PositionSample(tokens, sparse_indices, sparse_probs, dense_probs)
 
 
-def draw_uniforms(requests: Sequence[DraftRequest], count: int, device: torch.device) -> torch.Tensor:
+def draft_uniforms(requests: Sequence[DraftRequest], count: int, device: torch.device) -> torch.Tensor:
     """[R, count] uniforms: request r's DRAFT (anchor position, k) for k = 1..count under its
     generator's seed (dspark.random_draws), the same whatever else is drafted with it."""
     R = len(requests)

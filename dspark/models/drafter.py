@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.context_kv_cache import ContextKVCache, RequestContext
-from dspark.models.draft_sampling import (assemble_blocks, draw_uniforms, plan_rows,
+from dspark.models.draft_sampling import (assemble_blocks, draft_uniforms, plan_rows,
                                           position_noise, sample_block_position)
 from dspark.models.draft_types import (BlockTrainOutputs, DraftBlock, DraftRequest,
                                        positions_to_draft)
@@ -40,7 +40,7 @@ from dspark.models.sequential_heads import ConfidenceHead, MarkovHead, RNNHead
 from dspark.models.transformer import RMSNorm
 
 if TYPE_CHECKING:
-    from dspark.calibration import CalibrationSet
+    from dspark.calibration.sts_map import CalibrationSet
 
 
 class FrozenTargetHead(nn.Module):
@@ -183,7 +183,7 @@ class DSparkDrafter(FrozenTargetHead):
         self._calibration_sampling_temps = []
 
     def set_confidence_calibration(self, calibration: CalibrationSet) -> None:
-        """STS fits per sampling temperature (dspark.calibration.CalibrationSet): each request's
+        """STS fits per sampling temperature (dspark.calibration.sts_map.CalibrationSet): each request's
         confidences use the fit of the sampling temperature nearest its own."""
         if calibration.gamma != self.gamma:
             raise ValueError(f"calibration has gamma={calibration.gamma}, the drafter {self.gamma}")
@@ -385,7 +385,7 @@ class DSparkDrafter(FrozenTargetHead):
         base = self.base_logits(hn)  # [R, n, V_d]
 
         plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
-        uniforms = None if plan.all_greedy else draw_uniforms(requests, gamma, device)  # [R, gamma]
+        uniforms = None if plan.all_greedy else draft_uniforms(requests, gamma, device)  # [R, gamma]
         reduced = cfg.draft_vocab_size is not None
         target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
                       else torch.arange(self.draft_vocab_size, device=device))

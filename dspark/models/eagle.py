@@ -32,7 +32,7 @@ from torch import nn
 from dspark.models.context_kv_cache import ContextKVCache
 from dspark.models.draft_sampling import (
     assemble_blocks,
-    draw_uniforms,
+    draft_uniforms,
     plan_rows,
     position_noise,
     sample_block_position,
@@ -281,7 +281,7 @@ class EagleDrafter(FrozenTargetHead):
             for r in requests]).unsqueeze(1)  # [R, 1, h]: g_{a-1}
         prev = torch.tensor([r.anchor_token for r in requests], dtype=torch.int64, device=device)
         plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
-        uniforms = None if plan.all_greedy else draw_uniforms(requests, gamma, device)
+        uniforms = None if plan.all_greedy else draft_uniforms(requests, gamma, device)
         reduced = cfg.draft_vocab_size is not None
         target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
                       else torch.arange(self.draft_vocab_size, device=device))

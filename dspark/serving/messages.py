@@ -18,17 +18,31 @@ from dspark.serving.protos import pb
 
 def sampling_to_pb(params: SamplingParams) -> "pb.common.SamplingParams":
     msg = pb.common.SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                                   top_p=params.top_p)
+                                   top_p=params.top_p, min_p=params.min_p,
+                                   presence_penalty=params.presence_penalty,
+                                   frequency_penalty=params.frequency_penalty,
+                                   logit_bias=dict(params.logit_bias),
+                                   min_tokens=params.min_tokens,
+                                   stop_token_ids=list(params.stop_token_ids))
     if params.seed is not None:
         msg.seed = int(params.seed)
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
     return msg
 
 
 def sampling_from_pb(msg: "pb.common.SamplingParams") -> SamplingParams:
-    """Raises ValueError (from SamplingParams) naming a bad temperature / top_k / top_p."""
+    """Raises ValueError (from SamplingParams) naming a bad field (temperature, top_k, top_p,
+    min_p, a penalty, logit_bias, min_tokens)."""
     seed = msg.seed if msg.HasField("seed") else None
-    return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
-                          seed=seed)
+    return SamplingParams(
+        temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=seed,
+        min_p=msg.min_p, presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
+                            else 1.0),
+        logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids))
 
 
 def grammar_to_pb(grammar: GrammarRequest | None) -> "pb.verifier.Grammar | None":

@@ -63,6 +63,9 @@ class _History:
     sampling: SamplingParams
     produced: list[int] = field(default_factory=list)
     """Every token produced since the prompt; the last one is the anchor (not in the KV cache)."""
+    prompt_length: int | None = None
+    """A recomputed request (its chunks re-read output): the true prompt's length; None = all of
+    prompt_ids is prompt."""
 
 
 class RemoteVerifier:
@@ -135,6 +138,7 @@ class RemoteVerifier:
                                           continued=c.continued, more=not c.final,
                                           hold_features=c.hold_features,
                                           logprobs=c.logprobs if c.final else None,
+                                          prompt_length=c.prompt_length,
                                           grammar=messages.grammar_to_pb(c.grammar))
                   for c in prefill]
         ids = [str(r.request_id) for r in requests]
@@ -200,6 +204,8 @@ class RemoteVerifier:
                 self._history[rid] = _History([], chunk.sampling)
             history = self._history[rid]
             history.prompt_ids += list(chunk.token_ids)
+            if chunk.prompt_length is not None:
+                history.prompt_length = chunk.prompt_length
             if token is not None:
                 history.produced.append(token)
 
@@ -276,6 +282,9 @@ class RemoteVerifier:
                                                  prompt_ids=h.prompt_ids + h.produced[:-1],
                                                  sampling=messages.sampling_to_pb(h.sampling),
                                                  held_from=self._held_from.get(rid),
+                                                 prompt_length=(len(h.prompt_ids)
+                                                                if h.prompt_length is None
+                                                                else h.prompt_length),
                                                  grammar=messages.grammar_to_pb(grammar)))
         reply = self._stub.Prefill(pb.verifier.PrefillRequest(items=items, restore=True),
                                    metadata=outgoing_metadata(), wait_for_ready=True,

@@ -47,7 +47,8 @@ class StoredRequest:
     request_id: str
     prompt_ids: list[int]
     sampling: dict[str, Any]
-    """temperature, top_k, top_p, seed (dspark.sampling.SamplingParams fields)."""
+    """temperature, top_k, top_p, seed, and the logits-processing fields that are on
+    (services.scheduler.gateway.sampling_record)."""
     max_tokens: int
     stop_token_ids: list[int]
     output_ids: list[int] = field(default_factory=list)

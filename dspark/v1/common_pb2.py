@@ -24,19 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/common.proto\x12\tdspark.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x8d\x01\n\rTokenLogprobs\x12)\n\x0etoken_logprobs\x18\x01 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12(\n\rtop_token_ids\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\'\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\"\r\n\x0bInfoRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/common.proto\x12\tdspark.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xf7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.dspark.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x8d\x01\n\rTokenLogprobs\x12)\n\x0etoken_logprobs\x18\x01 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12(\n\rtop_token_ids\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\'\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\"\r\n\x0bInfoRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=89
-  _globals['_SAMPLINGPARAMS']._serialized_start=91
-  _globals['_SAMPLINGPARAMS']._serialized_end=186
-  _globals['_TOKENLOGPROBS']._serialized_start=189
-  _globals['_TOKENLOGPROBS']._serialized_end=330
-  _globals['_INFOREQUEST']._serialized_start=332
-  _globals['_INFOREQUEST']._serialized_end=345
+  _globals['_SAMPLINGPARAMS']._serialized_start=92
+  _globals['_SAMPLINGPARAMS']._serialized_end=467
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=387
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=435
+  _globals['_TOKENLOGPROBS']._serialized_start=470
+  _globals['_TOKENLOGPROBS']._serialized_end=611
+  _globals['_INFOREQUEST']._serialized_start=613
+  _globals['_INFOREQUEST']._serialized_end=626
 # @@protoc_insertion_point(module_scope)

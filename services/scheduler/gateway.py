@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from dspark.engine import RequestMetrics
 from dspark.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
-from dspark.sampling import SamplingParams
+from dspark.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
 from dspark.serving.cohorts import Cohorts
 from dspark.serving.detokenizer import INITIAL_CONTEXT_TOKENS, IncrementalDetokenizer
 from dspark.serving.engine_loop import StreamEvent, Submission
@@ -216,10 +216,14 @@ class Gateway:
 
     def spec(self, prompt_ids: list[int], temperature: Any = 1.0, top_p: Any = 1.0,
              top_k: Any = 0, seed: Any = None, max_tokens: Any = 16,
-             logprobs: Any = None, ignore_eos: bool = False,
-             response_format: Any = None) -> GenerationSpec:
-        """`logprobs`: top alternatives per produced token (None = no log-probabilities);
-        `response_format`: OpenAI's (None = text)."""
+             logprobs: Any = None, ignore_eos: bool = False, min_p: Any = 0.0,
+             presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0,
+             repetition_penalty: Any = 1.0, logit_bias: Any = None,
+             min_tokens: Any = 0, response_format: Any = None) -> GenerationSpec:
+        """`logprobs`: top alternatives per produced token (None = no log-probabilities).
+        min_p .. min_tokens: vLLM's parameters (dspark.sampling.SamplingParams), in vLLM's
+        ranges; logit_bias maps token ids (ints, or their decimal strings as JSON keys are) to
+        biases. `response_format`: OpenAI's (None = text)."""
         max_tokens = _number(max_tokens, "max_tokens", int)
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {_short(max_tokens)}",
@@ -253,11 +257,16 @@ class Gateway:
             if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequest(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
                                      f"{_short(logprobs)}", param="logprobs")
-        return GenerationSpec(prompt_ids, SamplingParams(temperature, top_k, top_p, seed),
+        processing = self._processing(max_tokens, min_p, presence_penalty, frequency_penalty,
+                                      repetition_penalty, logit_bias, min_tokens)
+        return GenerationSpec(prompt_ids, SamplingParams(temperature, top_k, top_p, seed,
+                                                         **processing),
                               max_tokens, logprobs, bool(ignore_eos),
-                              self.grammar(response_format, bool(ignore_eos)))
+                              self.grammar(response_format, bool(ignore_eos),
+                                           processing["min_tokens"]))
 
-    def grammar(self, response_format: Any, ignore_eos: bool = False) -> GrammarSpec | None:
+    def grammar(self, response_format: Any, ignore_eos: bool = False,
+                min_tokens: int = 0) -> GrammarSpec | None:
         """OpenAI's response_format as a grammar, compiled once here so that a bad schema is a
         400 naming response_format (None for text)."""
         try:
@@ -267,6 +276,10 @@ class Gateway:
             if ignore_eos:
                 raise InvalidGrammar("response_format needs the end-of-sequence token to end "
                                      "the output: not with ignore_eos")
+            if min_tokens:
+                raise InvalidGrammar("response_format cannot be combined with min_tokens: a "
+                                     "complete output allows only the stop tokens min_tokens "
+                                     "holds back")
             if self.grammars is None:
                 raise InvalidGrammar("response_format needs the model's tokenizer")
             with self._tokenizer_lock:  # the first compile reads the tokenizer's vocabulary
@@ -276,6 +289,61 @@ class Gateway:
         except InvalidGrammar as e:
             raise InvalidRequest(str(e), param="response_format") from None
         return spec
+
+    def _processing(self, max_tokens: int, min_p: Any, presence_penalty: Any,
+                    frequency_penalty: Any, repetition_penalty: Any, logit_bias: Any,
+                    min_tokens: Any) -> dict[str, Any]:
+        """The logits-processing fields of SamplingParams, checked (InvalidRequest naming the
+        field) against vLLM's ranges, the vocabulary and max_tokens."""
+        min_p = _number(min_p, "min_p", float)
+        if not 0 <= min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {min_p}", param="min_p")
+        penalties = {}
+        for name, value in (("presence_penalty", presence_penalty),
+                            ("frequency_penalty", frequency_penalty)):
+            penalties[name] = _number(value, name, float)
+            if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
+                raise InvalidRequest(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                     f"got {penalties[name]}", param=name)
+        repetition_penalty = _number(repetition_penalty, "repetition_penalty", float)
+        if not repetition_penalty > 0:
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {repetition_penalty}",
+                                 param="repetition_penalty")
+        min_tokens = _number(min_tokens, "min_tokens", int)
+        if not 0 <= min_tokens <= max_tokens:
+            raise InvalidRequest(f"min_tokens must be in 0..max_tokens ({max_tokens}), got "
+                                 f"{_short(min_tokens)}", param="min_tokens")
+        return dict(min_p=min_p, repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                    logit_bias=self._logit_bias(logit_bias), **penalties)
+
+    def _logit_bias(self, logit_bias: Any) -> dict[int, float]:
+        """{token id: bias}: ids in the vocabulary (ints or decimal strings), biases in
+        [-100, 100]; else InvalidRequest naming logit_bias."""
+        if logit_bias is None:
+            return {}
+        if not isinstance(logit_bias, dict):
+            raise InvalidRequest("logit_bias must be an object of token id: bias",
+                                 param="logit_bias")
+        out = {}
+        for key, value in logit_bias.items():
+            try:
+                token = int(key) if isinstance(key, (int, str)) and not isinstance(key, bool) \
+                    else None
+            except ValueError:
+                token = None
+            if token is None or not 0 <= token < self.vocab_size:
+                raise InvalidRequest(f"logit_bias keys must be token ids in "
+                                     f"0..{self.vocab_size - 1}, got {_short(key)}",
+                                     param="logit_bias")
+            bias = _number(value, "logit_bias", float)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequest(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token}",
+                                     param="logit_bias")
+            if token in out:
+                raise InvalidRequest(f"logit_bias names token {token} twice", param="logit_bias")
+            out[token] = bias
+        return out
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         """A string, a list of token ids, or a one-element list of either (OpenAI's forms)."""
@@ -371,8 +439,7 @@ class Gateway:
         """`owner`: the fingerprint of the caller's API key ('' with authentication off)."""
         sampling = spec.sampling
         stop_token_ids = [] if spec.ignore_eos else list(self.stop_token_ids)
-        stored_sampling = {"temperature": sampling.temperature, "top_k": sampling.top_k,
-                           "top_p": sampling.top_p, "seed": sampling.seed}
+        stored_sampling = sampling_record(sampling)
         if spec.grammar is not None:  # a resumed request goes on under its grammar
             stored_sampling["grammar"] = spec.grammar.to_json()
         stored = StoredRequest(request_id, spec.prompt_ids, stored_sampling,
@@ -409,10 +476,10 @@ class Gateway:
                 done.put(StreamEvent([], True, record.finish_reason or "length"))
                 return GenerationStream(self, request_id, record.prompt_ids, record.output_ids,
                                         done)
-            s = record.sampling
-            sampling = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s.get("seed"))
+            sampling = sampling_from_record(record.sampling, len(record.output_ids))
             record.status, record.finish_reason = RequestStatus.RUNNING, ""
-            grammar = GrammarSpec.from_json(s["grammar"]) if s.get("grammar") else None
+            grammar = (GrammarSpec.from_json(record.sampling["grammar"])
+                       if record.sampling.get("grammar") else None)
             events = self._submit(Submission(request_id, record.prompt_ids + record.output_ids,
                                              sampling, remaining, record.stop_token_ids, record,
                                              grammar=grammar,
@@ -455,6 +522,34 @@ class Gateway:
         with self._tokenizer_lock:
             return self.tokenizer.decode([t for t in token_ids if t not in stops],
                                          skip_special_tokens=True)
+
+
+def sampling_record(params: SamplingParams) -> dict[str, Any]:
+    """What a stored request keeps of its sampling (JSON): SamplingParams' fields, the
+    logits-processing ones only where they are on; the stop tokens travel beside them."""
+    out = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+           "seed": params.seed}
+    defaults = SamplingParams()
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "min_tokens"):
+        if getattr(params, name) != getattr(defaults, name):
+            out[name] = getattr(params, name)
+    if params.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in params.logit_bias}
+    return out
+
+
+def sampling_from_record(record: dict[str, Any], produced: int = 0) -> SamplingParams:
+    """The SamplingParams of a stored request that has `produced` output tokens already: a
+    resume asks only the min_tokens still missing. (A resume reads its earlier output as
+    prompt, so frequency and presence penalties count only what it produces from there.)"""
+    processing = {name: record[name] for name in ("min_p", "presence_penalty",
+                                                  "frequency_penalty", "repetition_penalty")
+                  if name in record}
+    return SamplingParams(record["temperature"], record["top_k"], record["top_p"],
+                          record.get("seed"), **processing,
+                          logit_bias={int(t): b for t, b in record.get("logit_bias", {}).items()},
+                          min_tokens=max(0, record.get("min_tokens", 0) - produced))
 
 
 def check_stop_strings(strings: list[str]) -> list[str]:

@@ -19,7 +19,7 @@ from dspark.serving import messages
 from dspark.serving.auth import ApiKeys, deny_handler
 from dspark.serving.protos import pb, rpc
 from services.scheduler.gateway import (Gateway, GenerationStream, InvalidRequest, Overloaded,
-                                       check_stop_strings)
+                                       check_stop_strings, sampling_from_record)
 from services.scheduler.stop_strings import StopStrings
 
 _LOGGER = logging.getLogger("dspark.scheduler")
@@ -89,7 +89,11 @@ class GenerationServicer(rpc.generation.GenerationServicer):
                       top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
                       max_tokens=request.max_tokens if request.HasField("max_tokens") else 16,
                       logprobs=request.logprobs if request.HasField("logprobs") else None,
-                      ignore_eos=request.ignore_eos,
+                      ignore_eos=request.ignore_eos, min_p=s.min_p,
+                      presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                      repetition_penalty=(s.repetition_penalty
+                                          if s.HasField("repetition_penalty") else 1.0),
+                      logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
                       response_format=_response_format(request.response_format))
         return g.start(spec, g.new_request_id("gen"), owner)
 
@@ -148,13 +152,9 @@ class GenerationServicer(rpc.generation.GenerationServicer):
         except Exception:
             _LOGGER.exception("unexpected error in GetRequest")
             context.abort(grpc.StatusCode.INTERNAL, "internal error")
-        from dspark.sampling import SamplingParams
-
-        s = r.sampling
         return pb.generation.RequestRecord(
             request_id=r.request_id, prompt_ids=r.prompt_ids, output_ids=r.output_ids,
-            sampling=messages.sampling_to_pb(SamplingParams(s["temperature"], s["top_k"],
-                                                            s["top_p"], s.get("seed"))),
+            sampling=messages.sampling_to_pb(sampling_from_record(r.sampling)),
             max_tokens=r.max_tokens, status=r.status, finish_reason=r.finish_reason,
             text=self.gateway.decode(r.output_ids))
 

@@ -105,11 +105,7 @@ class ChatMessage(BaseModel):
 
 
 UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "min_tokens": (None, 0),
 }
 """OpenAI fields accepted only at the value where they do nothing."""
 
@@ -137,13 +133,25 @@ class _GenerationRequest(BaseModel):
     n: Number = Field(None, description=(
         "Choices to return for each prompt: independent samples of it (a seeded request's "
         "sample i uses seed + i, as vLLM's do). Default 1."))
-    presence_penalty: Number = Field(None, description="Only 0 is supported.")
-    frequency_penalty: Number = Field(None, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Only empty is supported.")
+    presence_penalty: Number = Field(None, description=(
+        "In [-2, 2]: subtracted from the logit of each token the output holds (default 0)."))
+    frequency_penalty: Number = Field(None, description=(
+        "In [-2, 2]: subtracted from a token's logit once per time the output holds it "
+        "(default 0)."))
+    repetition_penalty: Number = Field(None, description=(
+        "> 0: the logit of a token of the prompt or output is divided by it when positive, "
+        "multiplied by it otherwise; 1 = off (vLLM's extension, default 1)."))
+    logit_bias: dict[str, Number] | None = Field(None, description=(
+        "Token id (as a string) -> bias in [-100, 100] added to its logit."))
+    min_p: Number = Field(None, description=(
+        "In [0, 1]: drop tokens less probable than min_p times the most probable one, after "
+        "temperature (vLLM's extension, default 0)."))
     ignore_eos: StrictBool | None = Field(None, description=(
         "Keep generating after the model's end-of-sequence tokens, up to max_tokens (vLLM's "
         "extension; stop strings still apply)."))
-    min_tokens: Number = Field(None, description="Only 0 is supported (vLLM's extension).")
+    min_tokens: Number = Field(None, description=(
+        "EOS and the stop tokens are not produced before this many tokens, <= max_tokens "
+        "(vLLM's extension, default 0)."))
     response_format: dict[str, Any] | None = Field(None, description=(
         'Structured output: {"type": "text"} (the default), {"type": "json_object"} (any JSON '
         'object) or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} '
@@ -178,7 +186,12 @@ class _GenerationRequest(BaseModel):
         return {"temperature": _default(self.temperature, 1.0),
                 "top_p": _default(self.top_p, 1.0), "top_k": _default(self.top_k, 0),
                 "seed": self.seed, "max_tokens": _default(self.max_tokens, 16),
-                "ignore_eos": bool(self.ignore_eos), "response_format": self.response_format}
+                "ignore_eos": bool(self.ignore_eos), "min_p": _default(self.min_p, 0.0),
+                "presence_penalty": _default(self.presence_penalty, 0.0),
+                "frequency_penalty": _default(self.frequency_penalty, 0.0),
+                "repetition_penalty": _default(self.repetition_penalty, 1.0),
+                "logit_bias": self.logit_bias, "min_tokens": _default(self.min_tokens, 0),
+                "response_format": self.response_format}
 
     @property
     def include_usage(self) -> bool:
@@ -223,7 +236,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: Number = Field(None, description=(
         f"0..{MAX_COMPLETION_LOGPROBS}: return the target's log-probability of each produced "
         "token and of this many most probable tokens at its position (raw model distribution: "
-        "before temperature, top-k, top-p)."))
+        "before penalties, logit bias, temperature, top-k, top-p)."))
     echo: StrictBool | None = Field(None, description=(
         "Put the prompt's text before each choice's text (not with logprobs: prompt "
         "log-probabilities are not computed)."))
@@ -262,7 +275,7 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Number = Field(None, description="max_tokens under its newer name.")
     logprobs: StrictBool | None = Field(None, description=(
         "Return the target's log-probability of each produced token (raw model distribution: "
-        "before temperature, top-k, top-p)."))
+        "before penalties, logit bias, temperature, top-k, top-p)."))
     top_logprobs: Number = Field(None, description=(
         f"0..{MAX_TOP_LOGPROBS}: also the most probable tokens at each position (needs "
         "logprobs: true)."))

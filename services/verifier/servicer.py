@@ -85,7 +85,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         with self._span("verifier.prefill", context) as span:
             span.set_attribute("dspark.num_requests", len(request.items))
             try:
-                ids, prompts, params, logprobs, grammars = self._check_prefill(request)
+                ids, prompts, params, logprobs, prompt_lengths, grammars = \
+                    self._check_prefill(request)
             except ValueError as e:
                 self._abort_on(context, e)
             with self._lock:
@@ -97,6 +98,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     # A restore samples nothing that counts: its grammar states are rebuilt
                     # from the requests' outputs instead.
                     out = self.verifier.prefill(ids, prompts, params, generators, logprobs,
+                                                prompt_lengths,
                                                 None if request.restore else grammars)
                     if request.restore:
                         for rid, grammar in zip(ids, grammars):
@@ -133,6 +135,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                 [list(item.prompt_ids) for item in request.items],
                 [messages.sampling_from_pb(item.sampling) for item in request.items],
                 [messages.num_top_from_pb(item) for item in request.items],
+                [_prompt_length(item) for item in request.items],
                 [self._grammar(item, True) for item in request.items])
 
     def _check_prompts(self, items) -> None:
@@ -213,6 +216,7 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                             self._generators.get(item.request_id), continued=item.continued,
                             hold_features=item.hold_features,
                             logprobs=messages.num_top_from_pb(item),
+                            prompt_length=_prompt_length(item),
                             grammar=self._grammar(item, not item.more))
 
     def _grammar(self, item, allowed: bool):
@@ -286,3 +290,14 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         return pb.verifier.CostTableReply(batch_tokens=t.batch_tokens, step_seconds=t.step_seconds,
                                           meta_json=json.dumps(t.meta),
                                           draft_seconds=t.draft_seconds)
+
+
+def _prompt_length(item) -> int | None:
+    """A PrefillItem's `optional int64 prompt_length`: None when absent; ValueError when
+    negative."""
+    if not item.HasField("prompt_length"):
+        return None
+    if item.prompt_length < 0:
+        raise ValueError(f"{item.request_id}: prompt_length must be >= 0, got "
+                         f"{item.prompt_length}")
+    return int(item.prompt_length)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.calibration import STSCalibration, expected_calibration_error
+from dspark.calibration.metrics import expected_calibration_error
+from dspark.calibration.sts_map import STSCalibration
 from dspark.cost_table import CostTable
 from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
 from dspark.evaluation.acceptance import (AcceptanceRecords, CollectConfig, RoundCollector,

@@ -11,7 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
-from dspark.calibration import CALIBRATION_FILENAME, CalibrationSet, fit_sts
+from dspark.calibration.fit import fit_sts
+from dspark.calibration.sts_map import CALIBRATION_FILENAME, CalibrationSet
 from dspark.evaluation import calibrate_cli, eval_cli
 from dspark.models.drafter_config import SequentialHead
 from dspark.models.drafter_io import save_drafter

@@ -11,8 +11,10 @@ import math
 
 import pytest
 
-from dspark.evaluation import speed
-from dspark.calibration import CALIBRATION_FILENAME, STSCalibration
+from dspark.calibration.sts_map import CALIBRATION_FILENAME, STSCalibration
+from dspark.evaluation.speed import bench_cli
+from dspark.evaluation.speed.rows import ROWS
+from dspark.evaluation.speed.waves import BREAKDOWN_KEYS
 from dspark.models.drafter_io import save_drafter
 from loadtest.tiny_models import GAMMA
 
@@ -45,8 +47,8 @@ def setup(tmp_path_factory, save_tiny_chat_target):
 
 def call(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    speed.configure(parser)
-    return speed.run(parser.parse_args(argv))
+    bench_cli.configure(parser)
+    return bench_cli.run(parser.parse_args(argv))
 
 
 def test_bench_tables_json_and_ratios(setup, tmp_path, capsys):
@@ -73,7 +75,7 @@ def test_bench_tables_json_and_ratios(setup, tmp_path, capsys):
         prompts = c * math.ceil(LIMIT / c)  # whole waves: 1 at one stream, 2 at two
         assert table["prompts_per_dataset"] == prompts
         rows = table["rows"]
-        assert list(rows) == list(speed.ROWS)
+        assert list(rows) == list(ROWS)
         assert rows["dflash"]["status"] == "missing"
         assert str(ckpts / "dflash") in rows["dflash"]["note"]
         assert "batch 1 only" in rows["hf-prompt-lookup"]["note"]
@@ -112,7 +114,7 @@ def test_bench_tables_json_and_ratios(setup, tmp_path, capsys):
 
         for name in ("target", "mtp1", "dspark"):
             b = rows[name]["breakdown_seconds"]
-            assert list(b) == list(speed.BREAKDOWN_KEYS) + ["rest"]
+            assert list(b) == list(BREAKDOWN_KEYS) + ["rest"]
             assert all(v >= -1e-3 for v in b.values()), (name, b)
             assert sum(b.values()) == pytest.approx(rows[name]["seconds"], abs=1e-3)
             assert b["prefill"] > 0 and b["target_forward"] > 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark.calibration import CalibrationSet, STSCalibration
+from dspark.calibration.sts_map import CalibrationSet, STSCalibration
 from dspark.models.draft_types import DraftBlock, DraftRequest
 from dspark.models.drafter import DSparkDrafter, training_mask
 from dspark.models.drafter_config import DrafterConfig, SequentialHead

@@ -41,23 +41,23 @@ def in_process_verifier(tiny_models):
         server.stop(None)
 
 
-def test_a_device_failure_in_verification_is_internal_with_its_message(in_process_verifier):
+def test_a_device_failure_in_verification_is_internal_with_its_message(in_process_verifier,
+                                                                      monkeypatch):
     stub, servicer = in_process_verifier
     greedy = messages.sampling_to_pb(SamplingParams(temperature=0))
     reply = stub.Prefill(pb.verifier.PrefillRequest(items=[pb.verifier.PrefillItem(
         request_id="r", prompt_ids=PROMPT, sampling=greedy)]), timeout=30)
 
-    def device_fails(batch):
+    def device_fails(items):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    servicer.verifier.batch_observer = device_fails
+    monkeypatch.setattr(servicer.verifier.runner, "forward", device_fails)  # the target forward
     item = pb.verifier.VerifyItem(request_id="r", anchor_token=int(reply.results[0].first_token),
                                   sampling=greedy)
     with pytest.raises(grpc.RpcError) as e:
         stub.Verify(pb.verifier.VerifyBatchRequest(items=[item]), timeout=30)
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert "illegal memory access" in e.value.details()
-    servicer.verifier.batch_observer = None
 
 
 @pytest.mark.parametrize("error, code", [

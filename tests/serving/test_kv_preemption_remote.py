@@ -1,7 +1,8 @@
 """Preemption against a verifier process: its KV cache (48 tokens, 3 blocks) holds any one
 request but not two, so Verify calls are refused with RESOURCE_EXHAUSTED (nothing changed
 there); the engine preempts the newest request and recomputes it later, and every output equals
-the request's greedy output generated alone."""
+the request's greedy output generated alone. Requests with penalties and min_tokens keep their
+counts through the recomputation (the re-read output counts as output again)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,38 @@ def test_an_engine_preempts_when_the_verifier_process_is_full(launcher, tiny_mod
         assert {r.finish_reason for r in requests} == {"length"}
         assert engine.stats.preemptions > 0
         assert remote.kv_cache_usage == 0.0
+    finally:
+        remote.close()
+        verifier.stop()
+
+
+def test_penalties_and_min_tokens_survive_preemption_in_the_verifier_process(launcher,
+                                                                            tiny_models):
+    """Each prompt's stop tokens are its plain greedy output's first two tokens, held back by
+    min_tokens 8; penalties and a logit bias on top. The remote engine, preempting, produces
+    what the in-process engine with room for all does."""
+    runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=4096)
+    local = engine_on(TargetVerifier(runner), tiny_models, runner)
+    stops = [tuple(local.generate([p], GREEDY, 2)[0].output_ids) for p in PROMPTS]
+    params = SamplingParams(temperature=0, min_tokens=8, repetition_penalty=1.5,
+                            frequency_penalty=0.4, presence_penalty=0.3, logit_bias={7: 1.0})
+
+    def run(engine) -> list[list[int]]:
+        ids = [engine.add_request(p, params, MAX_TOKENS, s) for p, s in zip(PROMPTS, stops)]
+        out: dict = {i: [] for i in ids}
+        for o in engine.stream():
+            out[o.request_id] += o.new_token_ids
+        return [out[i] for i in ids]
+
+    expected = run(engine_on(TargetVerifier(runner), tiny_models, runner))
+    assert all(len(e) >= 8 and not set(e[:8]) & set(s) for e, s in zip(expected, stops))
+    verifier, address = launcher.verifier("verifier_small_cache_params", kv_cache_tokens=48)
+    remote = RemoteVerifier(address, wait_seconds=60)
+    try:
+        wait_grpc(verifier, address)
+        engine = engine_on(remote, tiny_models, runner)
+        assert run(engine) == expected
+        assert engine.stats.preemptions > 0
     finally:
         remote.close()
         verifier.stop()

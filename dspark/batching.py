@@ -156,6 +156,7 @@ class Batcher:
             planned.append((r, PrefillChunk(r.request_id, tokens[r.prefilled:end], final,
                                             r.sampling, r.generator, continued=r.prefilled > 0,
                                             logprobs=r.logprobs,
+                                            grammar=r.grammar_request() if final else None,
                                             prompt_length=(len(r.prompt_ids) if r.recomputing
                                                            else None))))
             budget -= end - r.prefilled

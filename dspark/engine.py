@@ -49,6 +49,7 @@ from dspark.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics
 from dspark.round_policy import make_round_policy
 from dspark.sampling import SamplingParams
 from dspark.seeded_admission import gate_bypassed, override_seeded
+from dspark.structured_output import GrammarSpec
 from dspark.step_result import (EngineStats, RoundRecord, RoundStats, StepOutput,  # noqa: F401
                                 StepResult)
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
@@ -149,16 +150,28 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                     max_tokens: int = 128, stop_token_ids: Sequence[int] = (),
-                    request_id: Hashable | None = None, logprobs: int | None = None) -> Hashable:
+                    request_id: Hashable | None = None, logprobs: int | None = None,
+                    grammar: GrammarSpec | None = None,
+                    grammar_prefix: Sequence[int] = ()) -> Hashable:
         """`logprobs`: report the target's log-probabilities of the output tokens with this
         many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none. A sampling
-        with min_tokens holds `stop_token_ids` back until then (SamplingParams.stop_token_ids)."""
+        with min_tokens holds `stop_token_ids` back until then (SamplingParams.stop_token_ids).
+        `grammar`: structured output (dspark.structured_output), which needs a stop token to end
+        on (and no min_tokens, which could hold it back where the grammar allows nothing else);
+        `grammar_prefix`: the prompt's last tokens that are output under it already (a resumed
+        request's)."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if logprobs is not None:
             check_num_top(logprobs)
+        if grammar is not None and not stop_token_ids:
+            raise ValueError("a request with a grammar needs stop tokens (its output ends with "
+                             "one where the grammar is complete)")
+        if grammar is not None and sampling.min_tokens:
+            raise ValueError("a request with a grammar cannot have min_tokens: a complete "
+                             "output allows only its stop tokens")
         if sampling.min_tokens > max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens, got {sampling.min_tokens} > "
                              f"{max_tokens}")
@@ -168,7 +181,8 @@ class Engine:
         rid = next(self._ids) if request_id is None else request_id
         generator = request_generator(sampling, getattr(self.verifier, "rule", None))
         self.batcher.add(Request(rid, list(prompt_ids), sampling, max_tokens,
-                                 frozenset(stop_token_ids), generator, logprobs=logprobs))
+                                 frozenset(stop_token_ids), generator, logprobs=logprobs,
+                                 grammar=grammar, grammar_prefix=tuple(grammar_prefix)))
         return rid
 
     def abort(self, request_id: Hashable) -> None:
@@ -255,6 +269,9 @@ class Engine:
         (`sent`: the chunks as sent, when they may say hold_features)."""
         outputs = []
         sent = [c for _, c in planned] if sent is None else sent
+        for r, chunk in planned:
+            if chunk.grammar is not None:  # the final chunk built the state
+                r.grammar_held = True
         logprobs = result.logprobs or [None] * len(planned)
         for (r, chunk), token, features, as_sent, first_logprobs in zip(
                 planned, result.first_tokens, result.features, sent, logprobs):
@@ -290,9 +307,12 @@ class Engine:
         joining = [r for r, _ in planned]
         start = time.perf_counter()
         asked = [r.logprobs for r in joining]
+        grammars = [c.grammar for _, c in planned]
         out = self.verifier.prefill([r.request_id for r in joining], [r.prompt_ids for r in joining],
                                     [r.sampling for r in joining], [r.generator for r in joining],
-                                    asked if any(k is not None for k in asked) else None)
+                                    asked if any(k is not None for k in asked) else None,
+                                    grammars=grammars if any(g is not None for g in grammars)
+                                    else None)
         self._step.seconds.prefill += time.perf_counter() - start
         outputs += self._take_chunks(planned, out)
         self._retire_finished()
@@ -325,9 +345,11 @@ class Engine:
         call_start = time.perf_counter()
         result = self.verifier.verify(
             [VerifyRequest(r.request_id, r.output_ids[-1], block, int(n), r.sampling, r.generator,
-                           hold_features=h, logprobs=r.logprobs)
+                           hold_features=h, logprobs=r.logprobs, grammar=r.grammar_request())
              for r, block, n, h in zip(running, blocks, lengths, hold)],
             chunks)
+        for r in running:
+            r.grammar_held = r.grammar is not None  # the verifier advanced its state
         self._record_verify_step(result, time.perf_counter() - call_start)
         step.drafts_admitted = int(lengths.sum())
         step.drafts_accepted = int(sum(result.num_accepted))
@@ -483,6 +505,7 @@ class Engine:
         self.policy.reset_if_idle(self.batcher.load)
 
     def _release(self, r: Request) -> None:
+        r.grammar_held = False
         self._held.forget(r.request_id)
         self.policy.forget(r.request_id)
         self.verifier.release(r.request_id)

@@ -35,6 +35,7 @@ from dspark.models.packed_linear import packing_available
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.rejection import VerificationRule
 from dspark.step_timing import cached_startup_cost_table
+from dspark.structured_output import GrammarCompiler
 from dspark.verifier import TargetVerifier
 
 
@@ -129,13 +130,15 @@ def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
 
 def build_engine(target: TargetRunner | TargetVerifier, drafter: Drafter | None,
                  cost_table: CostTable, config: EngineConfig = EngineConfig(),
-                 verification: VerificationRule | str = VerificationRule.TOKEN) -> Engine:
+                 verification: VerificationRule | str = VerificationRule.TOKEN,
+                 grammars: GrammarCompiler | None = None) -> Engine:
     """The one place an Engine is put together: the target (a runner, verified by a
     TargetVerifier under `verification`; or a verifier already made, such as the scheduler's
     RemoteVerifier), the drafter (dropped under policy `none`, which decodes with the target
     alone) and the cost table SPS(B) the admission reads (refined in place while serving when
-    `config.update_cost_table`: give each engine its own)."""
-    verifier = (TargetVerifier(target, VerificationRule(verification))
+    `config.update_cost_table`: give each engine its own); `grammars`: the structured-output
+    compiler over the target's tokenizer (None: requests with a grammar are refused)."""
+    verifier = (TargetVerifier(target, VerificationRule(verification), grammars)
                 if isinstance(target, TargetRunner) else target)
     if not config.admission.policy.drafts:
         drafter = None
@@ -165,4 +168,5 @@ def load_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: s
     config = EngineConfig(AdmissionConfig(policy=parsed),
                           batching=BatchingConfig(max_running=max_running),
                           sparse_top_k=sparse_top_k)
-    return build_engine(runner, drafter, table, config, verification), tokenizer
+    grammars = GrammarCompiler(tokenizer=tokenizer, vocab_size=runner.vocab_size)
+    return build_engine(runner, drafter, table, config, verification, grammars), tokenizer

@@ -10,6 +10,7 @@ import torch
 
 from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
+from dspark.structured_output import GrammarRequest, GrammarSpec
 
 
 @dataclass
@@ -50,6 +51,14 @@ class Request:
     recomputing: bool = False
     """Preempted after it had output: the target re-reads `tokens_to_read` (prompt and output
     before the anchor) and samples nothing; it runs again from its anchor."""
+    grammar: GrammarSpec | None = None
+    """Structured output: every token is sampled under this grammar (dspark.structured_output)."""
+    grammar_prefix: tuple[int, ...] = ()
+    """The end of the prompt that the grammar has read already (a resumed request's earlier
+    output, given back as prompt)."""
+    grammar_held: bool = False
+    """The verifier holds the request's grammar state (false until its first token, and again
+    after the verifier released it)."""
 
     @property
     def must_repeat(self) -> bool:
@@ -61,6 +70,15 @@ class Request:
     def anchor_position(self) -> int:
         """Position of the last produced token (the anchor): the target holds everything before."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    def grammar_request(self) -> GrammarRequest | None:
+        """What the verifier's next item of this request carries about its grammar: the state
+        to rebuild from the output so far unless the verifier holds it (None: no grammar)."""
+        if self.grammar is None:
+            return None
+        return GrammarRequest(self.grammar, tuple(sorted(self.stop_token_ids)),
+                              None if self.grammar_held
+                              else self.grammar_prefix + tuple(self.output_ids))
 
     @property
     def tokens_to_read(self) -> list[int]:

@@ -38,6 +38,11 @@ plugged in) is applied there, on a copy: row j of request r is the target's pred
 r's tokens, its anchor and its drafts x_1..x_j. Its state follows the KV cache: `observe_forward`
 feeds it what the forward read (chunk tokens, each anchor) before `target_rows`, and `commit`
 the accepted drafts (the recovered or bonus token is the next round's anchor).
+Structured output (dspark.structured_output) masks the processed rows in `target_rows` too: each
+constrained request's grammar state (kept with its KV cache) is gathered when the round is
+packed, gives the rows the tokens its grammar allows after r's output and drafts x_1..x_j
+(-inf elsewhere), and `commit` advances it by the committed tokens (a final chunk's by its first
+token). The mask follows the processing; they commute, -inf stays -inf.
 Log-probabilities (dspark.logprobs) read the forward's logits as they came.
 
 Positions: a request whose KV cache holds n tokens has its anchor at position n. A round feeds
@@ -62,6 +67,7 @@ from dspark.models.runner import ForwardItem, ForwardOutput, TargetRunner
 from dspark.random_draws import CounterGenerator, RandomDraws, draw_uniforms
 from dspark.rejection import VerificationRule, VerifyBatch, sample_first_tokens, verify
 from dspark.sampling import SamplingParams, SamplingTensors
+from dspark.structured_output import GrammarCompiler, GrammarRequest, GrammarState, mask_logits
 
 
 @dataclass
@@ -91,6 +97,8 @@ class VerifyRequest:
     logprobs: int | None = None
     """Return the target's log-probabilities of the output tokens with this many top
     alternatives each (dspark.logprobs); None = none (nothing is computed)."""
+    grammar: GrammarRequest | None = None
+    """Structured output: the target's rows are masked by this grammar (None = unconstrained)."""
 
 
 @dataclass
@@ -111,6 +119,8 @@ class PrefillChunk:
     logprobs: int | None = None
     """A final chunk: return the first token's log-probability with this many top alternatives
     (dspark.logprobs); None = none."""
+    grammar: GrammarRequest | None = None
+    """A final chunk with structured output: the first token is sampled under this grammar."""
     prompt_length: int | None = None
     """A preempted request re-reading its output (engine recomputation, a restore): its prompt's
     length; the tokens from that position on are output to its logits processing (penalties,
@@ -181,6 +191,9 @@ class PackedRound:
     """[num_chunks] where each chunk begins in its prompt (the tokens its cache holds)."""
     first_generators: list[CounterGenerator]
     """[num_final_chunks] the random numbers of each final chunk's first token."""
+    grammar_states: list[GrammarState | None]
+    """[num_requests + num_final_chunks] each request's, then each final chunk's grammar state
+    (dspark.structured_output; None: unconstrained), as it stands before the round."""
 
     @property
     def num_verify_rows(self) -> int:
@@ -218,10 +231,12 @@ class RoundVerdict:
 
 def pack_round(requests: Sequence[VerifyRequest], prefill: Sequence[PrefillChunk],
                anchor_positions: Sequence[int], chunk_starts: Sequence[int], vocab_size: int,
-               device: torch.device) -> PackedRound:
+               device: torch.device,
+               grammar_states: Sequence[GrammarState | None] | None = None) -> PackedRound:
     """Step 1: host lists -> the forward's items and the drafts on `device`.
     anchor_positions [num_requests], chunk_starts [num_chunks]: what each request's KV cache
-    holds before the call."""
+    holds before the call; grammar_states [num_requests + num_final_chunks] as
+    PackedRound.grammar_states (None: no item is constrained)."""
     admitted = [_on_device(r.block, device) for r in requests
                 if r.block is not None and r.num_drafts > 0]
     lens = [r.num_drafts if r.block is not None else 0 for r in requests]  # [R] l_r
@@ -237,6 +252,10 @@ def pack_round(requests: Sequence[VerifyRequest], prefill: Sequence[PrefillChunk
                     else torch.zeros(0, dtype=torch.int64, device=device))  # [num_drafts]
     draft_lens = torch.tensor(lens, dtype=torch.int64)  # [R] on the host: verify moves it
     generators = [CounterGenerator.resolve(r.generator, r.sampling.seed) for r in requests]
+    num_final = sum(1 for c in prefill if c.final)
+    grammar_states = ([None] * (len(requests) + num_final) if grammar_states is None
+                      else list(grammar_states))
+    assert len(grammar_states) == len(requests) + num_final, (len(grammar_states), num_final)
     return PackedRound(
         requests=requests, chunks=prefill, items=items, drafts=drafts, draft_lens=draft_lens,
         draft_tokens=draft_tokens,
@@ -244,7 +263,8 @@ def pack_round(requests: Sequence[VerifyRequest], prefill: Sequence[PrefillChunk
         draws=draw_uniforms(draft_lens, generators, list(anchor_positions)),
         anchor_positions=list(anchor_positions), chunk_starts=list(chunk_starts),
         first_generators=[CounterGenerator.resolve(c.generator, c.sampling.seed)
-                          for c in prefill if c.final])
+                          for c in prefill if c.final],
+        grammar_states=grammar_states)
 
 
 def target_rows(logits: torch.Tensor, packed: PackedRound,
@@ -253,10 +273,12 @@ def target_rows(logits: torch.Tensor, packed: PackedRound,
     logits [num_verify_rows + num_final_chunks, vocab_size] -> TargetRows. `processing`: the
     requests' logits processing (dspark.logits_processing), having observed what the forward
     read (TargetVerifier.observe_forward); request r's row j is processed after its tokens and
-    drafts x_1..x_j, a final chunk's row after its prompt. Without processed requests the rows
-    are the logits themselves (no copy)."""
+    drafts x_1..x_j, a final chunk's row after its prompt. Then each constrained item's grammar
+    mask (packed.grammar_states) on its processed rows. Without processed or constrained items
+    the rows are the logits themselves (no copy)."""
     rows = packed.num_verify_rows
-    assert logits.shape[0] == rows + len(packed.final_chunks), (logits.shape, rows)
+    num_final = len(packed.final_chunks)
+    assert logits.shape[0] == rows + num_final, (logits.shape, rows)
     if processing:
         starts = itertools.accumulate((len(d) + 1 for d in packed.drafts), initial=0)
         finals = itertools.count(rows)
@@ -264,6 +286,8 @@ def target_rows(logits: torch.Tensor, packed: PackedRound,
             *((r.request_id, start, d) for r, d, start in zip(packed.requests, packed.drafts,
                                                                starts)),
             *((c.request_id, next(finals), ()) for c in packed.final_chunks)])
+    # A final chunk's one row is a block without drafts.
+    logits = _constrained(logits, packed.grammar_states, packed.drafts + [[]] * num_final)
     return TargetRows(verify=logits[:rows], first=logits[rows:])
 
 
@@ -298,8 +322,14 @@ class TargetVerifier:
     """Target runner + rejection sampler, with no scheduling logic of its own."""
 
     def __init__(self, runner: TargetRunner,
-                 rule: VerificationRule = VerificationRule.TOKEN) -> None:
+                 rule: VerificationRule = VerificationRule.TOKEN,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars
+        """Compiles structured-output grammars over the target's tokenizer (None: requests with
+        a grammar are refused)."""
+        self.grammar_states: dict[Hashable, GrammarState] = {}
+        """Each constrained request's grammar state, advanced by its committed tokens."""
         self.rule = VerificationRule(rule)
         """How sampled requests' drafts are accepted; greedy ones follow the token rule always."""
         self.stash = FeatureStash()
@@ -324,14 +354,18 @@ class TargetVerifier:
                 sampling: Sequence[SamplingParams],
                 generators: Sequence[CounterGenerator | None],
                 logprobs: Sequence[int | None] | None = None,
-                prompt_lengths: Sequence[int | None] | None = None) -> PrefillOutput:
+                prompt_lengths: Sequence[int | None] | None = None,
+                grammars: Sequence[GrammarRequest | None] | None = None) -> PrefillOutput:
         """`logprobs`: per request as PrefillChunk.logprobs (None: no request asks);
-        `prompt_lengths`: per request as PrefillChunk.prompt_length (None: all prompts)."""
+        `prompt_lengths`: per request as PrefillChunk.prompt_length (None: all prompts);
+        `grammars`: per request as PrefillChunk.grammar (None: none is constrained)."""
         logprobs = [None] * len(request_ids) if logprobs is None else logprobs
         prompt_lengths = [None] * len(request_ids) if prompt_lengths is None else prompt_lengths
-        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k, prompt_length=n)
-                  for rid, p, s, g, k, n in zip(request_ids, prompts, sampling, generators,
-                                                logprobs, prompt_lengths)]
+        grammars = [None] * len(request_ids) if grammars is None else grammars
+        chunks = [PrefillChunk(rid, list(p), True, s, g, logprobs=k, grammar=gr,
+                               prompt_length=n)
+                  for rid, p, s, g, k, gr, n in zip(request_ids, prompts, sampling, generators,
+                                                    logprobs, grammars, prompt_lengths)]
         out = self.verify([], chunks).prefill
         return PrefillOutput([int(t) for t in out.first_tokens], out.features, out.logprobs)
 
@@ -358,15 +392,20 @@ class TargetVerifier:
             for chunk in new:
                 self.runner.free(chunk.request_id)
                 self.processing.release(chunk.request_id)
+                self.grammar_states.pop(chunk.request_id, None)
             raise
 
     def pack(self, requests: Sequence[VerifyRequest],
              prefill: Sequence[PrefillChunk] = ()) -> PackedRound:
-        """Step 1 (`pack_round`) at the positions this verifier's KV caches hold."""
+        """Step 1 (`pack_round`) at the positions this verifier's KV caches hold, with the
+        grammar states of the constrained items (built from a replay where one is sent)."""
+        states = [*(self._grammar_state(r.request_id, r.grammar) for r in requests),
+                  *(self._grammar_state(c.request_id, c.grammar) for c in prefill if c.final)]
         return pack_round(requests, prefill,
                           anchor_positions=[self.runner.length(r.request_id) for r in requests],
                           chunk_starts=[self.runner.length(c.request_id) for c in prefill],
-                          vocab_size=self.vocab_size, device=self.runner.device)
+                          vocab_size=self.vocab_size, device=self.runner.device,
+                          grammar_states=states)
 
     def observe_forward(self, packed: PackedRound) -> None:
         """The tokens the round's forward read enter their requests' logits processing (after
@@ -390,9 +429,11 @@ class TargetVerifier:
                step_seconds: float) -> VerifyOutput:
         """Step 3: keep what the verdict accepted. Each request's KV cache is truncated to its
         anchor and accepted drafts; their features are returned, or held (`take_features`);
-        the chunks' features likewise; log-probabilities for the items that asked."""
+        the chunks' features likewise; log-probabilities for the items that asked. Grammar
+        states advance by each request's output tokens and each final chunk's first token."""
         requests, prefill = packed.requests, packed.chunks
         rows = packed.num_verify_rows
+        self._advance_grammars(packed, verdict)
         features = []
         for i, (req, old, accepted) in enumerate(zip(requests, packed.anchor_positions,
                                                      verdict.num_accepted)):
@@ -425,6 +466,18 @@ class TargetVerifier:
                             prefill_tokens=sum(len(c.token_ids) for c in prefill),
                             logprobs=logprobs)
 
+    def _advance_grammars(self, packed: PackedRound, verdict: RoundVerdict) -> None:
+        """Each constrained request's grammar state observes its output tokens (accepted drafts
+        and the recovered or bonus token), each constrained final chunk's its first token."""
+        states = packed.grammar_states
+        if all(s is None for s in states):
+            return
+        first = ([[t] for t in verdict.first_tokens.tolist()]
+                 if verdict.first_tokens is not None else [])  # [num_final_chunks]
+        for state, tokens in zip(states, [*verdict.output_tokens, *first]):
+            if state is not None:
+                state.observe(tokens)
+
     def _chunk_outputs(self, packed: PackedRound, out: ForwardOutput, verdict: RoundVerdict,
                        logits: torch.Tensor) -> ChunkOutput | None:
         """The chunks' first tokens (final chunks), their log-probabilities from `logits`
@@ -452,11 +505,51 @@ class TargetVerifier:
         nothing is held); they are forgotten here."""
         return [self.stash.take(rid) for rid in request_ids]
 
+    def _grammar_state(self, request_id: Hashable, grammar: GrammarRequest | None
+                       ) -> GrammarState | None:
+        """The request's grammar state: the one held, or (grammar.replay given) a new one."""
+        if grammar is None:
+            return None
+        if grammar.replay is None:
+            if request_id not in self.grammar_states:
+                raise ValueError(f"request {request_id!r} has a grammar but no state here and "
+                                 "no replay to rebuild it")
+            return self.grammar_states[request_id]
+        if self.grammars is None:
+            raise ValueError("this verifier has no tokenizer to compile structured-output "
+                             "grammars with")
+        state = self.grammars.state_for(grammar)
+        self.grammar_states[request_id] = state
+        return state
+
     def release(self, request_id: Hashable) -> None:
+        self.grammar_states.pop(request_id, None)
         self.stash.drop(request_id)
         self.processing.release(request_id)
         if self.runner.has_request(request_id):
             self.runner.free(request_id)
+
+
+def _constrained(logits: torch.Tensor, states: Sequence[GrammarState | None],
+                 drafts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The target rows of a round with each constrained item's grammar mask applied:
+    logits [sum_i (l_i + 1), V], item i's rows in order (its drafts [l_i] as host ints; a final
+    chunk: none); states [num_items] (None: that item's rows stay as they are). The same tensor
+    when no item is constrained."""
+    assert len(states) == len(drafts), (len(states), len(drafts))
+    if all(s is None for s in states):
+        return logits
+    vocab_size = logits.shape[1]
+    allowed = torch.ones(logits.shape, dtype=torch.bool)  # [rows, V] on the host
+    row = 0
+    for state, item_drafts in zip(states, drafts):
+        if state is not None:
+            mask = state.row_masks(item_drafts)  # [l_i + 1, V_grammar]
+            width = min(vocab_size, mask.shape[1])
+            allowed[row:row + mask.shape[0], :width] = mask[:, :width]
+            allowed[row:row + mask.shape[0], width:] = False  # beyond the tokenizer
+        row += len(item_drafts) + 1
+    return mask_logits(logits, allowed)
 
 
 def _rows_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

@@ -107,6 +107,29 @@ def save_char_tokenizer():
     return save
 
 
+JSON_CHARS = '{}[]":,-. \n' + "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+@pytest.fixture(scope="session")
+def save_json_tokenizer():
+    """`save(folder)`: a character-level tokenizer that can write JSON (50 ids below 64:
+    `<unk>`, `<|im_start|>`, `<|im_end|>` (EOS), then JSON_CHARS) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def save(folder: Path) -> None:
+        specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+        tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + list(JSON_CHARS))},
+                                         unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+        tok.decoder = decoders.Fuse()  # characters joined as they are
+        tok.add_special_tokens(specials)
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                chat_template=CHATML_TEMPLATE).save_pretrained(folder)
+
+    return save
+
+
 def tiny_dspark(seed: int | None = None, runner=None, noisy_confidence: bool = False, **config):
     """An untrained DSpark drafter for TINY_LLAMA: gamma 4, context from target layers 0, 2 and 3,
     mask token 1, a Markov head of rank 16 (`config` overrides any DrafterConfig field), built

@@ -26,7 +26,8 @@ FIRST_PARTY = {"dspark", "services", "loadtest", "tests", "bench", "deploy", "sc
 EXTRAS = {"serve", "train", "loadtest", "ray", "dev"}
 CORE = {"torch", "numpy", "transformers", "tokenizers", "safetensors", "gguf", "accelerate", "jinja2"}
 SERVE = {"grpcio", "grpcio-health-checking", "protobuf", "fastapi", "uvicorn", "redis",
-         "prometheus-client", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc"}
+         "prometheus-client", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc",
+         "xgrammar"}
 SHIPPED_FILES = ["dspark/models/csrc/paged_attention.cpp",
                  "checkpoints/dspark-markov/config.json",
                  "checkpoints/dspark-markov/model.safetensors",

@@ -29,6 +29,7 @@ from dspark.request import Request, RequestMetrics
 from dspark.sampling import SamplingParams
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStore, RoundUpdate, StoredRequest
+from dspark.structured_output import GrammarSpec
 
 # Save the (live-refreshed) cost table to the store every this many rounds.
 COST_TABLE_SAVE_ROUNDS = 200
@@ -48,6 +49,10 @@ class Submission:
     logprobs: int | None = None
     """Stream the target's log-probability of each new token with this many top alternatives
     (dspark.logprobs); None = none. They go to the client only, never to the store."""
+    grammar: GrammarSpec | None = None
+    """Structured output (dspark.structured_output); None = none."""
+    grammar_prefix: list[int] = field(default_factory=list)
+    """The end of the prompt that is output under the grammar already (a resumed request's)."""
 
 
 @dataclass
@@ -189,7 +194,8 @@ class EngineLoop:
             "dspark.request_id": s.request_id, "dspark.prompt_tokens": len(s.prompt_ids),
             "dspark.max_tokens": s.max_tokens})
         rid = self.engine.add_request(s.prompt_ids, s.sampling, s.max_tokens, s.stop_token_ids,
-                                      request_id=s.request_id, logprobs=s.logprobs)
+                                      request_id=s.request_id, logprobs=s.logprobs,
+                                      grammar=s.grammar, grammar_prefix=s.grammar_prefix)
         already = len(s.stored.output_ids) if s.stored is not None else 0
         self._live[s.request_id] = _Live(self.engine.request(rid), events, span, already)
         self.metrics.record_prompt(len(s.prompt_ids))

@@ -14,6 +14,7 @@ from dspark.models.draft_types import DraftBlock
 from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 from dspark.serving import tensor_codec
+from dspark.structured_output import GrammarRequest, GrammarSpec, InvalidGrammar
 from dspark.serving.protos import pb
 
 def sampling_to_pb(params: SamplingParams, generator: CounterGenerator | None = None
@@ -49,6 +50,30 @@ def sampling_from_pb(msg: "pb.common.SamplingParams") -> SamplingParams:
                             else 1.0),
         logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids))
+
+
+def grammar_to_pb(grammar: GrammarRequest | None) -> "pb.verifier.Grammar | None":
+    if grammar is None:
+        return None
+    return pb.verifier.Grammar(spec_json=grammar.spec.to_json(),
+                               stop_token_ids=list(grammar.stop_token_ids),
+                               rebuild=grammar.replay is not None,
+                               replay_tokens=list(grammar.replay or ()))
+
+
+def grammar_from_pb(item) -> GrammarRequest | None:
+    """An item's grammar (None when absent); raises ValueError naming a bad spec."""
+    if not item.HasField("grammar"):
+        return None
+    msg = item.grammar
+    try:
+        spec = GrammarSpec.from_json(msg.spec_json)
+    except (ValueError, KeyError, TypeError) as e:  # InvalidGrammar is a ValueError
+        raise ValueError(f"{item.request_id}: grammar.spec_json: {e}") from None
+    if not msg.stop_token_ids:
+        raise InvalidGrammar(f"{item.request_id}: grammar without stop_token_ids")
+    return GrammarRequest(spec, tuple(int(t) for t in msg.stop_token_ids),
+                          tuple(int(t) for t in msg.replay_tokens) if msg.rebuild else None)
 
 
 def logprobs_to_pb(logprobs: TokenLogprobs | None) -> "pb.common.TokenLogprobs":

@@ -8,6 +8,9 @@ the verifier to come back, re-prefills those requests' caches from their tokens 
 retries the call. Greedy requests then continue token for token as if nothing happened; sampled
 ones continue from a fresh random stream (still exact in distribution).
 
+Grammar states (structured output) live there too: a restore sends each constrained request's
+grammar with its produced tokens, and the new process rebuilds the state from them.
+
 Held features (`hold_features`, dspark.feature_stash) live in the verifier process; a restart
 loses them. So it also remembers, per request, the first position it asked the verifier to hold
 and has not taken back since; a restore asks the new process to hold the restored tokens'
@@ -35,6 +38,7 @@ from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_runtime import channel
 from dspark.serving.protos import pb, rpc
 from dspark.serving.tracing import outgoing_metadata
+from dspark.structured_output import GrammarRequest
 from dspark.verifier import ChunkOutput, PrefillChunk, PrefillOutput, VerifyOutput, VerifyRequest
 
 # Codes after which the request is retried once the verifier is back, its caches restored.
@@ -86,23 +90,29 @@ class RemoteVerifier:
         self.name = info.name
         self._history: dict[str, _History] = {}
         self._held_from: dict[str, int] = {}
+        self._grammars: dict[str, GrammarRequest] = {}
+        """Per constrained request, its grammar (spec and stop tokens)."""
         """Per request, the first position whose features the verifier holds (not yet taken)."""
 
     # -- the TargetVerifier interface -------------------------------------------------------
     def prefill(self, request_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 sampling: Sequence[SamplingParams],
                 generators: Sequence[CounterGenerator | None],
-                logprobs: Sequence[int | None] | None = None) -> PrefillOutput:
+                logprobs: Sequence[int | None] | None = None,
+                grammars: Sequence[GrammarRequest | None] | None = None) -> PrefillOutput:
         """(generators are the scheduler's; the verifier seeds its own from sampling.seed.)"""
         ids = [str(r) for r in request_ids]
         logprobs = [None] * len(ids) if logprobs is None else logprobs
         # The seed each request is sent with (its own, else the scheduler's fresh one), kept for
         # a restore, so that the verifier keys the request as the drafter does.
         sampling = [seeded(s, g) for s, g in zip(sampling, generators)]
+        grammars = [None] * len(ids) if grammars is None else grammars
         request = pb.verifier.PrefillRequest(items=[
             pb.verifier.PrefillItem(request_id=rid, prompt_ids=list(p),
-                                    sampling=messages.sampling_to_pb(s), logprobs=k)
-            for rid, p, s, k in zip(ids, prompts, sampling, logprobs)])
+                                    sampling=messages.sampling_to_pb(s), logprobs=k,
+                                    grammar=messages.grammar_to_pb(g))
+            for rid, p, s, k, g in zip(ids, prompts, sampling, logprobs, grammars)])
+        self._remember_grammars(ids, grammars)
         reply = self._call(self._stub.Prefill, request, restore_ids=[])
         self.kv_cache_usage = reply.kv_cache_usage
         first = [int(r.first_token) for r in reply.results]
@@ -124,16 +134,20 @@ class RemoteVerifier:
                 request_id=str(req.request_id), anchor_token=int(req.anchor_token),
                 draft_tokens=tokens, draft_probs=probs, draft_indices=indices,
                 sampling=messages.sampling_to_pb(req.sampling, req.generator),
-                hold_features=req.hold_features, logprobs=req.logprobs))
+                hold_features=req.hold_features, logprobs=req.logprobs,
+                grammar=messages.grammar_to_pb(req.grammar)))
         chunks = [pb.verifier.PrefillItem(request_id=str(c.request_id), prompt_ids=list(c.token_ids),
                                           sampling=messages.sampling_to_pb(c.sampling,
                                                                            c.generator),
                                           continued=c.continued, more=not c.final,
                                           hold_features=c.hold_features,
                                           logprobs=c.logprobs if c.final else None,
-                                          prompt_length=c.prompt_length)
+                                          prompt_length=c.prompt_length,
+                                          grammar=messages.grammar_to_pb(c.grammar))
                   for c in prefill]
         ids = [str(r.request_id) for r in requests]
+        self._remember_grammars(ids + [str(c.request_id) for c in prefill],
+                                [r.grammar for r in requests] + [c.grammar for c in prefill])
         continued = [str(c.request_id) for c in prefill if c.continued]
         reply = self._call(self._stub.Verify,
                            pb.verifier.VerifyBatchRequest(items=items, prefill=chunks),
@@ -161,6 +175,13 @@ class RemoteVerifier:
                             prefill_tokens=int(reply.prefill_tokens),
                             logprobs=_asked_logprobs(reply.results, [len(t) for t in outputs],
                                                      [r.logprobs for r in requests]))
+
+    def _remember_grammars(self, ids: Sequence[str],
+                           grammars: Sequence[GrammarRequest | None]) -> None:
+        """Each constrained request's grammar, which a restore rebuilds from its output."""
+        for rid, grammar in zip(ids, grammars):
+            if grammar is not None:
+                self._grammars[rid] = dataclasses.replace(grammar, replay=None)
 
     def _remember_held(self, requests: Sequence[VerifyRequest],
                        prefill: Sequence[PrefillChunk]) -> None:
@@ -211,6 +232,7 @@ class RemoteVerifier:
         rid = str(request_id)
         self._history.pop(rid, None)
         self._held_from.pop(rid, None)
+        self._grammars.pop(rid, None)
         try:
             reply = self._stub.Release(pb.verifier.ReleaseRequest(request_ids=[rid]), timeout=5.0,
                                        metadata=outgoing_metadata())
@@ -257,13 +279,17 @@ class RemoteVerifier:
         items = []
         for rid in live:
             h = self._history[rid]
+            grammar = self._grammars.get(rid)
+            if grammar is not None:  # the state after every produced token, the anchor's too
+                grammar = dataclasses.replace(grammar, replay=tuple(h.produced))
             items.append(pb.verifier.PrefillItem(request_id=rid,
                                                  prompt_ids=h.prompt_ids + h.produced[:-1],
                                                  sampling=messages.sampling_to_pb(h.sampling),
                                                  held_from=self._held_from.get(rid),
                                                  prompt_length=(len(h.prompt_ids)
                                                                 if h.prompt_length is None
-                                                                else h.prompt_length)))
+                                                                else h.prompt_length),
+                                                 grammar=messages.grammar_to_pb(grammar)))
         reply = self._stub.Prefill(pb.verifier.PrefillRequest(items=items, restore=True),
                                    metadata=outgoing_metadata(), wait_for_ready=True,
                                    timeout=max(1.0, deadline - time.monotonic()))

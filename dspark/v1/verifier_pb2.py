@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark.v1 import common_pb2 as dspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64spark/v1/verifier.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"\xc7\x01\n\x0cVerifierInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\x18\n\x10hidden_layer_ids\x18\x02 \x03(\x05\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x03(\t\x12\x17\n\x0fkv_cache_tokens\x18\x06 \x01(\x03\x12\x15\n\rkv_block_size\x18\x07 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\"\x92\x02\n\x0bPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x11\n\tcontinued\x18\x04 \x01(\x08\x12\x0c\n\x04more\x18\x05 \x01(\x08\x12\x15\n\rhold_features\x18\x06 \x01(\x08\x12\x16\n\theld_from\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\rprompt_length\x18\t \x01(\x03H\x02\x88\x01\x01\x42\x0c\n\n_held_fromB\x0b\n\t_logprobsB\x10\n\x0e_prompt_length\"H\n\x0ePrefillRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.dspark.v1.PrefillItem\x12\x0f\n\x07restore\x18\x02 \x01(\x08\"u\n\rPrefillResult\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12*\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.dspark.v1.TokenLogprobs\"Q\n\x0cPrefillReply\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.dspark.v1.PrefillResult\x12\x16\n\x0ekv_cache_usage\x18\x02 \x01(\x01\"\x99\x02\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61nchor_token\x18\x02 \x01(\x03\x12\'\n\x0c\x64raft_tokens\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12&\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12(\n\rdraft_indices\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x15\n\rhold_features\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"c\n\x12VerifyBatchRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.dspark.v1.VerifyItem\x12\'\n\x07prefill\x18\x02 \x03(\x0b\x32\x16.dspark.v1.PrefillItem\"\x8c\x01\n\x0cVerifyResult\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x15\n\routput_tokens\x18\x02 \x03(\x03\x12#\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12*\n\x08logprobs\x18\x04 \x01(\x0b\x32\x18.dspark.v1.TokenLogprobs\"\xcb\x01\n\x10VerifyBatchReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.dspark.v1.VerifyResult\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\x03\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x31\n\x0fprefill_results\x18\x04 \x03(\x0b\x32\x18.dspark.v1.PrefillResult\x12\x16\n\x0eprefill_tokens\x18\x05 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\"*\n\x13TakeFeaturesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x93\x01\n\x0cHeldFeatures\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12$\n\tpositions\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12$\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\"=\n\x11TakeFeaturesReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.dspark.v1.HeldFeatures\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"&\n\x0cReleaseReply\x12\x16\n\x0ekv_cache_usage\x18\x01 \x01(\x01\"f\n\x0e\x43ostTableReply\x12\x14\n\x0c\x62\x61tch_tokens\x18\x01 \x03(\x03\x12\x14\n\x0cstep_seconds\x18\x02 \x03(\x01\x12\x11\n\tmeta_json\x18\x03 \x01(\t\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x32\x98\x03\n\x08Verifier\x12\x37\n\x04Info\x12\x16.dspark.v1.InfoRequest\x1a\x17.dspark.v1.VerifierInfo\x12=\n\x07Prefill\x12\x19.dspark.v1.PrefillRequest\x1a\x17.dspark.v1.PrefillReply\x12\x44\n\x06Verify\x12\x1d.dspark.v1.VerifyBatchRequest\x1a\x1b.dspark.v1.VerifyBatchReply\x12=\n\x07Release\x12\x19.dspark.v1.ReleaseRequest\x1a\x17.dspark.v1.ReleaseReply\x12L\n\x0cTakeFeatures\x12\x1e.dspark.v1.TakeFeaturesRequest\x1a\x1c.dspark.v1.TakeFeaturesReply\x12\x41\n\x0cGetCostTable\x12\x16.dspark.v1.InfoRequest\x1a\x19.dspark.v1.CostTableReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64spark/v1/verifier.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"\xc7\x01\n\x0cVerifierInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\x18\n\x10hidden_layer_ids\x18\x02 \x03(\x05\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x03(\t\x12\x17\n\x0fkv_cache_tokens\x18\x06 \x01(\x03\x12\x15\n\rkv_block_size\x18\x07 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\"\\\n\x07Grammar\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x03\x12\x0f\n\x07rebuild\x18\x03 \x01(\x08\x12\x15\n\rreplay_tokens\x18\x04 \x03(\x03\"\xb7\x02\n\x0bPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x11\n\tcontinued\x18\x04 \x01(\x08\x12\x0c\n\x04more\x18\x05 \x01(\x08\x12\x15\n\rhold_features\x18\x06 \x01(\x08\x12\x16\n\theld_from\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\rprompt_length\x18\t \x01(\x03H\x02\x88\x01\x01\x12#\n\x07grammar\x18\n \x01(\x0b\x32\x12.dspark.v1.GrammarB\x0c\n\n_held_fromB\x0b\n\t_logprobsB\x10\n\x0e_prompt_length\"H\n\x0ePrefillRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.dspark.v1.PrefillItem\x12\x0f\n\x07restore\x18\x02 \x01(\x08\"u\n\rPrefillResult\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12*\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.dspark.v1.TokenLogprobs\"Q\n\x0cPrefillReply\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.dspark.v1.PrefillResult\x12\x16\n\x0ekv_cache_usage\x18\x02 \x01(\x01\"\xbe\x02\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61nchor_token\x18\x02 \x01(\x03\x12\'\n\x0c\x64raft_tokens\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12&\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12(\n\rdraft_indices\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x15\n\rhold_features\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12#\n\x07grammar\x18\t \x01(\x0b\x32\x12.dspark.v1.GrammarB\x0b\n\t_logprobs\"c\n\x12VerifyBatchRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.dspark.v1.VerifyItem\x12\'\n\x07prefill\x18\x02 \x03(\x0b\x32\x16.dspark.v1.PrefillItem\"\x8c\x01\n\x0cVerifyResult\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x15\n\routput_tokens\x18\x02 \x03(\x03\x12#\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12*\n\x08logprobs\x18\x04 \x01(\x0b\x32\x18.dspark.v1.TokenLogprobs\"\xcb\x01\n\x10VerifyBatchReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.dspark.v1.VerifyResult\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\x03\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x31\n\x0fprefill_results\x18\x04 \x03(\x0b\x32\x18.dspark.v1.PrefillResult\x12\x16\n\x0eprefill_tokens\x18\x05 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\"*\n\x13TakeFeaturesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x93\x01\n\x0cHeldFeatures\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12$\n\tpositions\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12$\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\"=\n\x11TakeFeaturesReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.dspark.v1.HeldFeatures\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"&\n\x0cReleaseReply\x12\x16\n\x0ekv_cache_usage\x18\x01 \x01(\x01\"f\n\x0e\x43ostTableReply\x12\x14\n\x0c\x62\x61tch_tokens\x18\x01 \x03(\x03\x12\x14\n\x0cstep_seconds\x18\x02 \x03(\x01\x12\x11\n\tmeta_json\x18\x03 \x01(\t\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x32\x98\x03\n\x08Verifier\x12\x37\n\x04Info\x12\x16.dspark.v1.InfoRequest\x1a\x17.dspark.v1.VerifierInfo\x12=\n\x07Prefill\x12\x19.dspark.v1.PrefillRequest\x1a\x17.dspark.v1.PrefillReply\x12\x44\n\x06Verify\x12\x1d.dspark.v1.VerifyBatchRequest\x1a\x1b.dspark.v1.VerifyBatchReply\x12=\n\x07Release\x12\x19.dspark.v1.ReleaseRequest\x1a\x17.dspark.v1.ReleaseReply\x12L\n\x0cTakeFeatures\x12\x1e.dspark.v1.TakeFeaturesRequest\x1a\x1c.dspark.v1.TakeFeaturesReply\x12\x41\n\x0cGetCostTable\x12\x16.dspark.v1.InfoRequest\x1a\x19.dspark.v1.CostTableReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFIERINFO']._serialized_start=64
   _globals['_VERIFIERINFO']._serialized_end=263
-  _globals['_PREFILLITEM']._serialized_start=266
-  _globals['_PREFILLITEM']._serialized_end=540
-  _globals['_PREFILLREQUEST']._serialized_start=542
-  _globals['_PREFILLREQUEST']._serialized_end=614
-  _globals['_PREFILLRESULT']._serialized_start=616
-  _globals['_PREFILLRESULT']._serialized_end=733
-  _globals['_PREFILLREPLY']._serialized_start=735
-  _globals['_PREFILLREPLY']._serialized_end=816
-  _globals['_VERIFYITEM']._serialized_start=819
-  _globals['_VERIFYITEM']._serialized_end=1100
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=1102
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=1201
-  _globals['_VERIFYRESULT']._serialized_start=1204
-  _globals['_VERIFYRESULT']._serialized_end=1344
-  _globals['_VERIFYBATCHREPLY']._serialized_start=1347
-  _globals['_VERIFYBATCHREPLY']._serialized_end=1550
-  _globals['_TAKEFEATURESREQUEST']._serialized_start=1552
-  _globals['_TAKEFEATURESREQUEST']._serialized_end=1594
-  _globals['_HELDFEATURES']._serialized_start=1597
-  _globals['_HELDFEATURES']._serialized_end=1744
-  _globals['_TAKEFEATURESREPLY']._serialized_start=1746
-  _globals['_TAKEFEATURESREPLY']._serialized_end=1807
-  _globals['_RELEASEREQUEST']._serialized_start=1809
-  _globals['_RELEASEREQUEST']._serialized_end=1846
-  _globals['_RELEASEREPLY']._serialized_start=1848
-  _globals['_RELEASEREPLY']._serialized_end=1886
-  _globals['_COSTTABLEREPLY']._serialized_start=1888
-  _globals['_COSTTABLEREPLY']._serialized_end=1990
-  _globals['_VERIFIER']._serialized_start=1993
-  _globals['_VERIFIER']._serialized_end=2401
+  _globals['_GRAMMAR']._serialized_start=265
+  _globals['_GRAMMAR']._serialized_end=357
+  _globals['_PREFILLITEM']._serialized_start=360
+  _globals['_PREFILLITEM']._serialized_end=671
+  _globals['_PREFILLREQUEST']._serialized_start=673
+  _globals['_PREFILLREQUEST']._serialized_end=745
+  _globals['_PREFILLRESULT']._serialized_start=747
+  _globals['_PREFILLRESULT']._serialized_end=864
+  _globals['_PREFILLREPLY']._serialized_start=866
+  _globals['_PREFILLREPLY']._serialized_end=947
+  _globals['_VERIFYITEM']._serialized_start=950
+  _globals['_VERIFYITEM']._serialized_end=1268
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=1270
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=1369
+  _globals['_VERIFYRESULT']._serialized_start=1372
+  _globals['_VERIFYRESULT']._serialized_end=1512
+  _globals['_VERIFYBATCHREPLY']._serialized_start=1515
+  _globals['_VERIFYBATCHREPLY']._serialized_end=1718
+  _globals['_TAKEFEATURESREQUEST']._serialized_start=1720
+  _globals['_TAKEFEATURESREQUEST']._serialized_end=1762
+  _globals['_HELDFEATURES']._serialized_start=1765
+  _globals['_HELDFEATURES']._serialized_end=1912
+  _globals['_TAKEFEATURESREPLY']._serialized_start=1914
+  _globals['_TAKEFEATURESREPLY']._serialized_end=1975
+  _globals['_RELEASEREQUEST']._serialized_start=1977
+  _globals['_RELEASEREQUEST']._serialized_end=2014
+  _globals['_RELEASEREPLY']._serialized_start=2016
+  _globals['_RELEASEREPLY']._serialized_end=2054
+  _globals['_COSTTABLEREPLY']._serialized_start=2056
+  _globals['_COSTTABLEREPLY']._serialized_end=2158
+  _globals['_VERIFIER']._serialized_start=2161
+  _globals['_VERIFIER']._serialized_end=2569
 # @@protoc_insertion_point(module_scope)

@@ -32,6 +32,7 @@ from dspark.serving.detokenizer import INITIAL_CONTEXT_TOKENS, IncrementalDetoke
 from dspark.serving.engine_loop import StreamEvent, Submission
 from dspark.serving.metrics import SchedulerMetrics
 from dspark.serving.store import RequestStatus, RequestStore, StoredRequest
+from dspark.structured_output import GrammarCompiler, GrammarSpec, InvalidGrammar
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # The ranges of the proto fields the parameters travel in (dspark.v1.SamplingParams).
@@ -74,6 +75,9 @@ class GenerationSpec:
     ignore_eos: bool = False
     """Do not stop at the model's end-of-sequence tokens (vLLM's ignore_eos): only max_tokens
     (and the front end's stop strings) end the output."""
+    grammar: GrammarSpec | None = None
+    """Structured output (response_format): the output follows this grammar and ends with an
+    end-of-sequence token where it is complete."""
 
 
 @dataclass
@@ -195,6 +199,9 @@ class Gateway:
         # Rust fast tokenizers can raise "Already borrowed" when one object is used from several
         # threads at once (HTTP and gRPC handlers run in threads): one call at a time.
         self._tokenizer_lock = threading.Lock()
+        self.grammars = (GrammarCompiler(tokenizer=tokenizer, vocab_size=vocab_size)
+                         if tokenizer is not None else None)
+        """Compiles response_format grammars to check them before they reach the engine."""
         # Admission check, resume's liveness check and the submission happen together, so two
         # concurrent resumes of one id cannot both start it and the queue bound holds.
         self._submit_lock = threading.Lock()
@@ -212,11 +219,11 @@ class Gateway:
              logprobs: Any = None, ignore_eos: bool = False, min_p: Any = 0.0,
              presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0,
              repetition_penalty: Any = 1.0, logit_bias: Any = None,
-             min_tokens: Any = 0) -> GenerationSpec:
+             min_tokens: Any = 0, response_format: Any = None) -> GenerationSpec:
         """`logprobs`: top alternatives per produced token (None = no log-probabilities).
         min_p .. min_tokens: vLLM's parameters (dspark.sampling.SamplingParams), in vLLM's
         ranges; logit_bias maps token ids (ints, or their decimal strings as JSON keys are) to
-        biases."""
+        biases. `response_format`: OpenAI's (None = text)."""
         max_tokens = _number(max_tokens, "max_tokens", int)
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {_short(max_tokens)}",
@@ -254,7 +261,34 @@ class Gateway:
                                       repetition_penalty, logit_bias, min_tokens)
         return GenerationSpec(prompt_ids, SamplingParams(temperature, top_k, top_p, seed,
                                                          **processing),
-                              max_tokens, logprobs, bool(ignore_eos))
+                              max_tokens, logprobs, bool(ignore_eos),
+                              self.grammar(response_format, bool(ignore_eos),
+                                           processing["min_tokens"]))
+
+    def grammar(self, response_format: Any, ignore_eos: bool = False,
+                min_tokens: int = 0) -> GrammarSpec | None:
+        """OpenAI's response_format as a grammar, compiled once here so that a bad schema is a
+        400 naming response_format (None for text)."""
+        try:
+            spec = GrammarSpec.from_response_format(response_format)
+            if spec is None:
+                return None
+            if ignore_eos:
+                raise InvalidGrammar("response_format needs the end-of-sequence token to end "
+                                     "the output: not with ignore_eos")
+            if min_tokens:
+                raise InvalidGrammar("response_format cannot be combined with min_tokens: a "
+                                     "complete output allows only the stop tokens min_tokens "
+                                     "holds back")
+            if self.grammars is None:
+                raise InvalidGrammar("response_format needs the model's tokenizer")
+            with self._tokenizer_lock:  # the first compile reads the tokenizer's vocabulary
+                self.grammars.compile(spec)
+            if not self.grammars.start(spec, self.stop_token_ids).can_start():
+                raise InvalidGrammar("the model's vocabulary cannot write this response_format")
+        except InvalidGrammar as e:
+            raise InvalidRequest(str(e), param="response_format") from None
+        return spec
 
     def _processing(self, max_tokens: int, min_p: Any, presence_penalty: Any,
                     frequency_penalty: Any, repetition_penalty: Any, logit_bias: Any,
@@ -405,12 +439,15 @@ class Gateway:
         """`owner`: the fingerprint of the caller's API key ('' with authentication off)."""
         sampling = spec.sampling
         stop_token_ids = [] if spec.ignore_eos else list(self.stop_token_ids)
-        stored = StoredRequest(request_id, spec.prompt_ids, sampling_record(sampling),
+        stored_sampling = sampling_record(sampling)
+        if spec.grammar is not None:  # a resumed request goes on under its grammar
+            stored_sampling["grammar"] = spec.grammar.to_json()
+        stored = StoredRequest(request_id, spec.prompt_ids, stored_sampling,
                                spec.max_tokens, stop_token_ids, owner=owner)
         with self._submit_lock:
             events = self._submit(Submission(request_id, spec.prompt_ids, sampling,
                                              spec.max_tokens, stop_token_ids, stored,
-                                             logprobs=spec.logprobs))
+                                             logprobs=spec.logprobs, grammar=spec.grammar))
         return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs)
 
     def fetch(self, request_id: str, owner: str = "") -> StoredRequest:
@@ -441,8 +478,12 @@ class Gateway:
                                         done)
             sampling = sampling_from_record(record.sampling, len(record.output_ids))
             record.status, record.finish_reason = RequestStatus.RUNNING, ""
+            grammar = (GrammarSpec.from_json(record.sampling["grammar"])
+                       if record.sampling.get("grammar") else None)
             events = self._submit(Submission(request_id, record.prompt_ids + record.output_ids,
-                                             sampling, remaining, record.stop_token_ids, record))
+                                             sampling, remaining, record.stop_token_ids, record,
+                                             grammar=grammar,
+                                             grammar_prefix=list(record.output_ids)))
         return GenerationStream(self, request_id, record.prompt_ids, record.output_ids, events)
 
     def _submit(self, submission: Submission) -> queue.Queue:

@@ -10,6 +10,7 @@ that completed it, its text before it. `max_tokens` absent means 16; 0 is refuse
 
 from __future__ import annotations
 
+import json
 import logging
 
 import grpc
@@ -69,6 +70,9 @@ class GenerationServicer(rpc.generation.GenerationServicer):
             if request.stop:
                 raise InvalidRequest("stop strings are not stored: give them to the first "
                                      "request only", param="stop")
+            if request.response_format:
+                raise InvalidRequest("a resumed request keeps its stored response_format: give "
+                                     "it to the first request only", param="response_format")
             return g.resume(request.resume_request_id, owner)
         g.check_model(request.model)
         given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
@@ -89,7 +93,8 @@ class GenerationServicer(rpc.generation.GenerationServicer):
                       presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                       repetition_penalty=(s.repetition_penalty
                                           if s.HasField("repetition_penalty") else 1.0),
-                      logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens)
+                      logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
+                      response_format=_response_format(request.response_format))
         return g.start(spec, g.new_request_id("gen"), owner)
 
     def Generate(self, request, context):
@@ -160,3 +165,13 @@ def _token_logprobs(chunk) -> list:
     return [pb.generation.TokenLogprob(token_id=t, logprob=v, top_token_ids=ids, top_logprobs=vs)
             for t, v, ids, vs in zip(chunk.token_ids, lp.token_logprobs.tolist(),
                                      lp.top_token_ids.tolist(), lp.top_logprobs.tolist())]
+
+
+def _response_format(text: str) -> dict | None:
+    """GenerateRequest.response_format: OpenAI's object as JSON text ('' = text)."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"response_format is not JSON: {e}", param="response_format") from None

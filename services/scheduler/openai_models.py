@@ -152,6 +152,12 @@ class _GenerationRequest(BaseModel):
     min_tokens: Number = Field(None, description=(
         "EOS and the stop tokens are not produced before this many tokens, <= max_tokens "
         "(vLLM's extension, default 0)."))
+    response_format: dict[str, Any] | None = Field(None, description=(
+        'Structured output: {"type": "text"} (the default), {"type": "json_object"} (any JSON '
+        'object) or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} '
+        "(JSON valid under the schema, compact separators). Every token is sampled under the "
+        "grammar, exactly as without speculation; the output ends with the end-of-sequence "
+        "token where the JSON is complete (or at max_tokens)."))
 
     @field_validator("stop")
     @classmethod
@@ -184,7 +190,8 @@ class _GenerationRequest(BaseModel):
                 "presence_penalty": _default(self.presence_penalty, 0.0),
                 "frequency_penalty": _default(self.frequency_penalty, 0.0),
                 "repetition_penalty": _default(self.repetition_penalty, 1.0),
-                "logit_bias": self.logit_bias, "min_tokens": _default(self.min_tokens, 0)}
+                "logit_bias": self.logit_bias, "min_tokens": _default(self.min_tokens, 0),
+                "response_format": self.response_format}
 
     @property
     def include_usage(self) -> bool:

@@ -41,6 +41,7 @@ def build_servicer(config: VerifierServiceConfig, tracer):
     from dspark.fetch import ensure_model
     from dspark.step_timing import startup_cost_table
     from dspark.rejection import VerificationRule
+    from dspark.structured_output import GrammarCompiler
     from dspark.verifier import TargetVerifier
     from services.verifier.servicer import VerifierLimits, VerifierServicer
 
@@ -55,7 +56,9 @@ def build_servicer(config: VerifierServiceConfig, tracer):
         table = CostTable.load(config.cost_table)
     else:
         table = startup_cost_table(runner)
-    verifier = TargetVerifier(runner, VerificationRule(config.verification))
+    # Structured output compiles its grammars over the target's own tokenizer (read lazily).
+    verifier = TargetVerifier(runner, VerificationRule(config.verification),
+                              GrammarCompiler(model_dir, runner.vocab_size))
     return VerifierServicer(verifier, table,
                             VerifierLimits(config.max_context_tokens, config.idle_expiry_seconds), model_dir.name, tracer)
 

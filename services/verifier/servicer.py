@@ -85,7 +85,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
         with self._span("verifier.prefill", context) as span:
             span.set_attribute("dspark.num_requests", len(request.items))
             try:
-                ids, prompts, params, logprobs, prompt_lengths = self._check_prefill(request)
+                ids, prompts, params, logprobs, prompt_lengths, grammars = \
+                    self._check_prefill(request)
             except ValueError as e:
                 self._abort_on(context, e)
             with self._lock:
@@ -94,8 +95,16 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     self._release_locked(rid)
                 generators = [p.generator() for p in params]
                 try:
+                    # A restore samples nothing that counts: its grammar states are rebuilt
+                    # from the requests' outputs instead.
                     out = self.verifier.prefill(ids, prompts, params, generators, logprobs,
-                                                prompt_lengths)
+                                                prompt_lengths,
+                                                None if request.restore else grammars)
+                    if request.restore:
+                        for rid, grammar in zip(ids, grammars):
+                            if grammar is not None:
+                                self.verifier.grammar_states[rid] = \
+                                    self.verifier.grammars.state_for(grammar)
                 except HANDLED as e:
                     self._abort_on(context, e)
                 for rid, g in zip(ids, generators):
@@ -126,7 +135,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                 [list(item.prompt_ids) for item in request.items],
                 [messages.sampling_from_pb(item.sampling) for item in request.items],
                 [messages.num_top_from_pb(item) for item in request.items],
-                [_prompt_length(item) for item in request.items])
+                [_prompt_length(item) for item in request.items],
+                [self._grammar(item, True) for item in request.items])
 
     def _check_prompts(self, items) -> None:
         """Prompts (whole, or chunks that may continue what the cache holds): a request id,
@@ -206,7 +216,27 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                             self._generators.get(item.request_id), continued=item.continued,
                             hold_features=item.hold_features,
                             logprobs=messages.num_top_from_pb(item),
-                            prompt_length=_prompt_length(item))
+                            prompt_length=_prompt_length(item),
+                            grammar=self._grammar(item, not item.more))
+
+    def _grammar(self, item, allowed: bool):
+        """The item's grammar (messages.grammar_from_pb), checked: only where one is taken (a
+        final chunk, a verify item, a restore), compiled by this process, and a state to use
+        (given, or held here). ValueError / InvalidGrammar (INVALID_ARGUMENT) otherwise."""
+        grammar = messages.grammar_from_pb(item)
+        if grammar is None:
+            return None
+        if not allowed:
+            raise ValueError(f"{item.request_id}: a grammar on a chunk that samples nothing")
+        if self.verifier.grammars is None:
+            raise ValueError("this verifier has no tokenizer for structured output")
+        self.verifier.grammars.compile(grammar.spec)  # InvalidGrammar names a bad schema
+        if grammar.replay is None and item.request_id not in self.verifier.grammar_states:
+            raise ValueError(f"{item.request_id}: no grammar state held here (send rebuild)")
+        vocab = self.verifier.vocab_size
+        if any(not 0 <= t < vocab for t in grammar.stop_token_ids + (grammar.replay or ())):
+            raise ValueError(f"{item.request_id}: grammar token ids outside the vocabulary")
+        return grammar
 
     def _verify_request(self, item, runner) -> VerifyRequest:
         vocab = self.verifier.vocab_size
@@ -221,7 +251,8 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                              messages.sampling_from_pb(item.sampling),
                              self._generators.get(item.request_id),
                              hold_features=item.hold_features,
-                             logprobs=messages.num_top_from_pb(item))
+                             logprobs=messages.num_top_from_pb(item),
+                             grammar=self._grammar(item, True))
 
     def TakeFeatures(self, request, context):
         with self._span("verifier.take_features", context) as span:

@@ -88,6 +88,37 @@ def stack(tiny_models, shared_verifier) -> Stack:
 
 
 @pytest.fixture(scope="session")
+def json_stack(tmp_path_factory, save_json_tokenizer, stack) -> Stack:
+    """A scheduler and verifier whose tiny target writes with a character tokenizer that can
+    spell JSON (`<|im_end|>` its end-of-sequence token), for structured output: the tiny
+    stack's words "t0".."t63" cannot begin a JSON value. The target's weights are the tiny
+    stack's (same seed), so its drafter serves this stack too."""
+    from loadtest.tiny_models import build_tiny_models
+
+    from ..stack_fixtures import start_verifier
+
+    models = build_tiny_models(tmp_path_factory.mktemp("json_stack"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (models.target_dir / name).unlink(missing_ok=True)
+    save_json_tokenizer(models.target_dir)
+    verifier, verifier_address = start_verifier(models, "json_verifier")
+    procs = {"verifier": verifier}
+    prefix = f"dspark-test-{uuid.uuid4().hex[:8]}:"
+    try:
+        wait_grpc(verifier, verifier_address)
+        scheduler, http_port, grpc_port = start_scheduler(
+            models, verifier_address, stack.drafter_address, name="json_scheduler",
+            extra=("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--api-keys", API_KEY))
+        procs["scheduler"] = scheduler
+        wait_http(scheduler, http_port)
+        yield Stack(models, verifier_address, stack.drafter_address, http_port, grpc_port,
+                    procs, prefix)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="session")
 def embedded_greedy(tiny_models):
     """Greedy outputs of the embedded engine (same target, drafter, policy, cost table)."""
     from dspark.cost_table import CostTable

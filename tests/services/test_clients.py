@@ -1,7 +1,7 @@
 """The clients users already run, unchanged, against the real stack: the official `openai`
-client (chat, completions, streaming, n, seed), LangChain's ChatOpenAI (invoke, stream, batch),
-and guidellm's default streaming benchmark at 1 and 4 concurrent requests (its JSON report
-parsed: requests completed, none failed, TTFT and ITL measured)."""
+client (chat, completions, streaming, n, seed), LangChain's ChatOpenAI (invoke, stream, batch,
+with_structured_output), and guidellm's default streaming benchmark at 1 and 4 concurrent
+requests (its JSON report parsed: requests completed, none failed, TTFT and ITL measured)."""
 
 from __future__ import annotations
 
@@ -90,16 +90,27 @@ def test_langchain_invoke_stream_batch(chat_model, embedded_greedy):
     assert [m.content for m in chat_model.batch(["t11 t12 t13", "t5 t6"])] == [expected, second]
 
 
-def test_langchain_structured_output_is_a_400_naming_response_format(chat_model):
-    """Not supported yet (constrained decoding exact under speculation): refused by name."""
+def test_langchain_structured_output_returns_the_schemas_object(json_stack):
+    """with_structured_output sends response_format json_schema; the stack samples under the
+    schema's grammar (speculation included) and LangChain parses the reply into the model."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from typing import Literal
+
     from pydantic import BaseModel
 
-    class Person(BaseModel):
-        name: str
+    class Verdict(BaseModel):  # a finite grammar: a random tiny model's JSON ends in time
+        ok: bool
+        label: Literal["yes", "no"]
 
-    with pytest.raises(openai.BadRequestError) as e:
-        chat_model.with_structured_output(Person, method="json_schema").invoke("t11 t12")
-    assert e.value.body["param"] == "response_format"
+    model = langchain_openai.ChatOpenAI(model="tiny", base_url=base_url(json_stack),
+                                        api_key=json_stack.api_key, temperature=0,
+                                        max_tokens=40, max_retries=0, timeout=60)
+    structured = model.with_structured_output(Verdict, method="json_schema")
+    verdict = structured.invoke("is it ok?")
+    assert isinstance(verdict, Verdict)
+    sampled = model.bind(temperature=1.0, seed=5).with_structured_output(Verdict,
+                                                                          method="json_schema")
+    assert isinstance(sampled.invoke("score it"), Verdict)
 
 
 # -- guidellm ------------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="of the target and the transformers peers (the drafter: dspark.loading.drafter_dtype)")
+    parser.add_argument("--weights", default=None, choices=["q4", "dense"],
+                        help="the target's linears (RunnerConfig.weights; default: q4 where the "
+                             "model folder has its GGUF and the CPU its kernel, else dense)")
     parser.add_argument("--sparse-top-k", type=int, default=None,
                         help="engine: ship draft distributions as top-k (default dense)")
     parser.add_argument("--verification", default="token",

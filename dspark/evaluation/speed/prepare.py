@@ -106,7 +106,7 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
     base = None
     if engine_rows:
         base = load_target(model_dir, (), kv_cache_tokens=kv_tokens, device=args.device,
-                           dtype=args.dtype)
+                           dtype=args.dtype, weights=getattr(args, "weights", None))
         runners[()] = base
         if args.cost_table is not None:
             table = CostTable.load(args.cost_table)

@@ -70,12 +70,13 @@ bench/target_decode.py compares against transformers as on such a CPU. Unset: th
 
 
 def kernel_build(isa_flags: str) -> tuple[str, tuple[str, ...]]:
-    """(extension name, flags) for `isa_flags` (KERNEL_ISA_FLAGS_ENV's value): each set of flags
-    is built and cached under its own name, so switching them never loads another build."""
+    """(extension name, flags) for `isa_flags` (KERNEL_ISA_FLAGS_ENV's value). The name carries
+    a digest of the source and the flags, so each set of flags, and each version of the source
+    (two checkouts, an upgrade), is built and cached under its own name: switching between them
+    never rebuilds another's build folder, nor waits on its lock."""
     flags = tuple(isa_flags.split())
-    if not flags:
-        return "dspark_paged_attention", ()
-    return f"dspark_paged_attention_{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:10]}", flags
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    return f"dspark_paged_attention_{digest}", flags
 
 
 @functools.cache

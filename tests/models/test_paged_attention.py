@@ -163,15 +163,20 @@ def test_cpu_kernel_refuses_indices_outside_the_cache():
         paged_attention(q, k, v, block_tables, query_start, torch.tensor([1]), 1.0)
 
 
-def test_each_set_of_isa_flags_builds_under_its_own_name():
-    from dspark.models.paged_attention import kernel_build
+def test_each_set_of_isa_flags_and_each_source_builds_under_its_own_name(tmp_path, monkeypatch):
+    from dspark.models import paged_attention as module
 
-    assert kernel_build("") == ("dspark_paged_attention", ())
-    avx2, flags = kernel_build("-mno-avx512f")
-    assert flags == ("-mno-avx512f",) and avx2 != "dspark_paged_attention"
-    assert kernel_build("  -mno-avx512f ") == (avx2, flags)
-    portable = kernel_build("-mno-avx512f -mno-avx2")
-    assert portable[1] == ("-mno-avx512f", "-mno-avx2") and portable[0] not in (avx2, "dspark_paged_attention")
+    native, no_flags = module.kernel_build("")
+    assert no_flags == () and native.startswith("dspark_paged_attention_")
+    avx2, flags = module.kernel_build("-mno-avx512f")
+    assert flags == ("-mno-avx512f",) and avx2 != native
+    assert module.kernel_build("  -mno-avx512f ") == (avx2, flags)
+    portable = module.kernel_build("-mno-avx512f -mno-avx2")
+    assert portable[1] == ("-mno-avx512f", "-mno-avx2") and portable[0] not in (avx2, native)
+    edited = tmp_path / "paged_attention.cpp"
+    edited.write_bytes(module._SOURCE.read_bytes() + b"\n// another version\n")
+    monkeypatch.setattr(module, "_SOURCE", edited)
+    assert module.kernel_build("")[0] != native
 
 
 def test_cpu_kernel_refuses_tensors_off_the_cpu():

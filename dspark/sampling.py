@@ -150,10 +150,6 @@ class SamplingKinds:
     min_p: bool = False
     """Some sampled row has min_p > 0."""
 
-    @property
-    def filtered(self) -> bool:
-        """Some sampled row is truncated by top-k, top-p or min_p."""
-        return bool(self.top_k_max or self.top_p or self.min_p)
 
     @staticmethod
     def of(params: Sequence[SamplingParams]) -> "SamplingKinds":
@@ -391,9 +387,10 @@ def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling
         scaled = logits.float() if t == 1.0 else logits.float() / t  # [num_logit_rows, V]
         lse = torch.logsumexp(scaled, dim=1)  # [num_logit_rows]
         return torch.exp(scaled[rows, tokens] - lse[rows])
-    if kinds is not None and kinds.filtered and logits.device.type != "cpu":
-        # Filters on an accelerator: every row's whole distribution, branches chosen by the
-        # host's kinds (no device read; on the CPU the per-kind split below is cheaper).
+    if kinds is not None and logits.device.type != "cpu":
+        # Filters, or greedy rows beside sampled ones, on an accelerator: every row's whole
+        # distribution, branches chosen by the host's kinds (no device read; on the CPU the
+        # per-kind split below is cheaper).
         probs = probs_from_logits(logits.index_select(0, rows), sampling)  # [n, V]
         return probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -433,9 +430,9 @@ def probs_at_columns(logits: torch.Tensor, columns: torch.Tensor, sampling: Samp
     probs_from_logits.
     """
     n, k = columns.shape
-    if sampling.kinds is not None and sampling.kinds.filtered and logits.device.type != "cpu":
-        # Filters on an accelerator: every row's whole distribution, branches chosen by the host's
-        # kinds (no device read; on the CPU the per-kind split below is cheaper).
+    if sampling.kinds is not None and logits.device.type != "cpu":
+        # On an accelerator: every row's whole distribution, branches chosen by the host's kinds
+        # (no device read; on the CPU the per-kind split below is cheaper).
         return probs_from_logits(logits.index_select(0, rows), sampling).gather(1, columns)
     out = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     greedy = sampling.temperature == 0.0

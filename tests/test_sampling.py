@@ -206,16 +206,19 @@ def test_probs_at_columns_are_the_gathered_distributions(rows_taken):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_filtered_rows_on_an_accelerator_read_nothing_and_equal_the_cpu():
-    """top-k, top-p (a nucleus wider than the first partial sort included) and greedy rows mixed,
-    on a pretend CUDA device (tests/pretend_device.py): probs_from_logits,
-    token_probs_from_logits and probs_at_columns make no host-device synchronisation, and give
-    what the CPU's partial-sort and per-kind paths give."""
+@pytest.mark.parametrize("filters", [True, False])
+def test_mixed_rows_on_an_accelerator_read_nothing_and_equal_the_cpu(filters):
+    """top-k, top-p (a nucleus wider than the first partial sort included), plain and greedy
+    rows mixed (or greedy and plain rows only), on a pretend CUDA device
+    (tests/pretend_device.py): probs_from_logits, token_probs_from_logits and probs_at_columns
+    make no host-device synchronisation, and give what the CPU's partial-sort and per-kind paths
+    give."""
     from .pretend_device import PretendDevice
 
     g = torch.Generator().manual_seed(6)
     vocab = 600
-    params = [SamplingParams(temperature=1.0, top_p=0.9)] + PARAMS * 2
+    menu = PARAMS if filters else [SamplingParams(temperature=t) for t in (1.0, 0.0, 0.5)]
+    params = [SamplingParams(temperature=1.0, top_p=0.9 if filters else 1.0)] + menu * 2
     logits = torch.randn(len(params), vocab, generator=g) * 3
     logits[0] *= 0.01  # a nearly flat row: its nucleus is wider than TOP_P_CANDIDATES[0]
     tokens = torch.randint(0, vocab, (len(params),), generator=g)
@@ -233,6 +236,7 @@ def test_filtered_rows_on_an_accelerator_read_nothing_and_equal_the_cpu():
                token_probs_from_logits(logits, tokens, sampling, rows),
                probs_at_columns(logits, columns, sampling, rows))
         assert device.syncs == 0, dict(device.sync_calls)
-    assert int((want[0][0] > 0).sum()) > TOP_P_CANDIDATES[0]
+    if filters:
+        assert int((want[0][0] > 0).sum()) > TOP_P_CANDIDATES[0]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -7,9 +7,11 @@ prefilled by the target runner, their features go into the drafter's context cac
 `--rounds` draft calls of R requests (anchors after the prompts, at each of `--temperatures`) are
 timed, the drafter in each of `--dtypes` (the target runs in float32, as served by default), and
 `--profile-rounds` more run under the torch profiler, grouped into matrix products, attention
-and everything else. Prints a markdown table and one JSON line. Usage:
+and everything else, under each of `--attention`'s ways of attending to the contexts
+(`ContextAttention`: one SDPA call a layer for all requests, or one a request and layer), whose
+greedy tokens must agree. Prints a markdown table and one JSON line. Usage:
     .venv/bin/python bench/draft_step.py [--streams 1,8,16] [--dtypes float32,bfloat16]
-        [--temperatures 0,1] [--threads 2] [--top-ops 20]
+        [--temperatures 0,1] [--attention batched,per_request] [--threads 2] [--top-ops 20]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dspark.cpu_info import cpu_line  # noqa: E402
 from dspark.fetch import ensure_model  # noqa: E402
 from dspark.loading import load_method_drafter, load_target  # noqa: E402
 from dspark.models.draft_types import DraftRequest  # noqa: E402
+from dspark.models.drafter import ContextAttention  # noqa: E402
 from dspark.models.drafter_config import DrafterConfig  # noqa: E402
 from dspark.models.runner import ForwardItem  # noqa: E402
 from dspark.paths import DEFAULT_DRAFTER, EVAL_PROMPTS_DIR  # noqa: E402
@@ -50,9 +53,9 @@ def prompt_features(runner, prompts: list[list[int]]) -> list[torch.Tensor]:
     return feats
 
 
-def draft_round(drafter, prompts: list[list[int]], temperature: float) -> None:
+def draft_round(drafter, prompts: list[list[int]], temperature: float) -> list:
     sampling = SamplingParams(temperature=temperature)
-    drafter.draft([DraftRequest(i, p[-1], len(p), sampling) for i, p in enumerate(prompts)])
+    return drafter.draft([DraftRequest(i, p[-1], len(p), sampling) for i, p in enumerate(prompts)])
 
 
 def profile_split(drafter, prompts: list[list[int]], temperature: float, rounds: int,
@@ -81,6 +84,8 @@ def main() -> int:
     parser.add_argument("--streams", default="1,8,16")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--attention", default=",".join(a.value for a in ContextAttention),
+                        help="ContextAttention values, comma-separated (default: all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--profile-rounds", type=int, default=5)
@@ -95,9 +100,11 @@ def main() -> int:
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), max(streams), args.eval_dir)
     layer_ids = tuple(DrafterConfig.load(args.checkpoint).target_layer_ids)
     print(f"# {cpu_line()}; torch {torch.__version__}, {args.threads} threads", flush=True)
-    print("| drafter dtype | temperature | streams | ms a round (median) | ms a request | "
-          "products | attention | other |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| drafter dtype | attention | temperature | streams | ms a round (median) | ms a request | "
+          "products | attention ops | other |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    modes = [ContextAttention(a) for a in args.attention.split(",")]
+    greedy_tokens: dict[tuple, list] = {}  # (dtype, streams) -> the first mode's greedy tokens
     rows = []
     runner = load_target(model_dir, layer_ids, kv_cache_tokens=len(prompts) * 1024,
                          dtype="float32", device=resolve_device(args.device))
@@ -107,21 +114,34 @@ def main() -> int:
                                       dtype=getattr(torch, dtype))
         for i, (p, f) in enumerate(zip(prompts, features)):
             drafter.append_context(i, f, torch.arange(len(p)))
-        for temperature in (float(t) for t in args.temperatures.split(",")):
-            for r in streams:
-                batch = prompts[:r]
-                draft_round(drafter, batch, temperature)  # absorbs the pending context
-                times = []
-                for _ in range(args.rounds):
+        for temperature, r in ((float(t), r) for t in args.temperatures.split(",")
+                               for r in streams):
+            batch = prompts[:r]
+            for mode in modes:
+                drafter.context_attention = mode
+                blocks = draft_round(drafter, batch, temperature)  # absorbs the pending context
+                if temperature == 0:
+                    tokens = [b.tokens.tolist() for b in blocks]
+                    first = greedy_tokens.setdefault((dtype, r), tokens)
+                    if tokens != first:
+                        raise SystemExit(f"{mode.value} drafts other greedy tokens than "
+                                         f"{modes[0].value} at {r} streams ({dtype})")
+            times: dict[ContextAttention, list[float]] = {m: [] for m in modes}
+            for _ in range(args.rounds):  # the modes alternate, so a load change hits them alike
+                for mode in modes:
+                    drafter.context_attention = mode
                     start = time.perf_counter()
                     draft_round(drafter, batch, temperature)
-                    times.append(time.perf_counter() - start)
-                ms = statistics.median(times) * 1e3
+                    times[mode].append(time.perf_counter() - start)
+            for mode in modes:
+                drafter.context_attention = mode
+                ms = statistics.median(times[mode]) * 1e3
                 split = profile_split(drafter, batch, temperature, args.profile_rounds,
                                       args.top_ops)
-                rows.append({"dtype": dtype, "temperature": temperature, "streams": r,
-                             "ms_round": round(ms, 2), **{k: round(v, 2) for k, v in split.items()}})
-                print(f"| {dtype} | {temperature:g} | {r} | {ms:.2f} | {ms / r:.2f} | "
+                rows.append({"dtype": dtype, "context_attention": mode.value,
+                             "temperature": temperature, "streams": r, "ms_round": round(ms, 2),
+                             **{k: round(v, 2) for k, v in split.items()}})
+                print(f"| {dtype} | {mode.value} | {temperature:g} | {r} | {ms:.2f} | {ms / r:.2f} | "
                       f"{split['matmul']:.2f} | {split['attention']:.2f} | {split['other']:.2f} |",
                       flush=True)
     print(json.dumps({"bench": "draft_step", "cpu": cpu_line(), "threads": args.threads,

@@ -203,8 +203,8 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     """Batched lossless rejection sampling over a flattened batch (the fast path).
 
     Branches are chosen from what the host knows (draft lengths, sampling params), not by
-    reading the device: at the token rule nothing is read (but the nucleus search of top_p
-    rows). The check that every draft has probability > 0 is read here on the CPU and with the
+    reading the device: at the token rule nothing is read off the CPU (top-k and top-p rows
+    included: `dspark.sampling`). The check that every draft has probability > 0 is read here on the CPU and with the
     results (`VerifyResult.to_host`) on an accelerator."""
     if rule is VerificationRule.DRAFTER_INVARIANT:
         from dspark.gumbel_verification import verify_invariant

@@ -150,6 +150,7 @@ class SamplingKinds:
     min_p: bool = False
     """Some sampled row has min_p > 0."""
 
+
     @staticmethod
     def of(params: Sequence[SamplingParams]) -> "SamplingKinds":
         sampled = [p for p in params if not p.is_greedy]
@@ -257,7 +258,8 @@ def _probs_by_kinds(logits: torch.Tensor, sampling: SamplingTensors,
                     kinds: SamplingKinds) -> torch.Tensor:
     """probs_from_logits with its branches chosen on the host (`kinds`): greedy rows by a
     scatter at the argmax, top-k by one top-k of the widest k over every row, a mix of greedy
-    and sampled rows by a select; no device read but the nucleus search (top_p < 1)."""
+    and sampled rows by a select, the nucleus (top_p < 1) by a full sort of every row off the
+    CPU: no device read (on the CPU the nucleus search reads which rows it has found)."""
     num_rows, vocab_size = logits.shape
     greedy = sampling.temperature == 0.0  # [num_rows]
     one_hot = None
@@ -284,8 +286,11 @@ def _probs_by_kinds(logits: torch.Tensor, sampling: SamplingTensors,
         scaled = scaled.masked_fill(use_top_k.unsqueeze(1) & (scaled < kth), float("-inf"))
     probs = torch.softmax(scaled, dim=1)  # [n, V]
     if kinds.top_p:
-        use_top_p = ~greedy & (sampling.top_p < 1.0)
-        if bool(use_top_p.any()):  # the nucleus search reads the device (_top_p_filter)
+        use_top_p = ~greedy & (sampling.top_p < 1.0)  # [n]
+        if probs.device.type != "cpu":  # every row's nucleus, kept where asked: no device read
+            probs = torch.where(use_top_p.unsqueeze(1), _top_p_filter_sorted(probs, sampling.top_p),
+                                probs)
+        elif bool(use_top_p.any()):  # on the CPU the reads are free and the partial sorts cheaper
             probs[use_top_p] = _top_p_filter(probs[use_top_p], sampling.top_p[use_top_p])
     if one_hot is not None:
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
@@ -307,8 +312,23 @@ def _min_p_filter(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 TOP_P_CANDIDATES = (256, 4096)
 
 
+def _top_p_filter_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_top_p_filter` by one full sort of every row, without reading the device (what an
+    accelerator wants: the partial sorts of growing width need to know which rows are done):
+    probs [n, V], top_p [n] -> [n, V]."""
+    values, order = torch.sort(probs, dim=1, descending=True)  # [n, V]
+    mass_before = torch.cumsum(values, dim=1) - values  # [n, V]
+    keep = mass_before < top_p.unsqueeze(1)
+    keep[:, 0] = True  # never empty
+    kept = values * keep
+    kept = kept / kept.sum(dim=1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, kept)
+
+
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep each row's nucleus and renormalise: probs [n, V], top_p [n] -> [n, V]."""
+    if probs.device.type != "cpu":
+        return _top_p_filter_sorted(probs, top_p)
     n, vocab_size = probs.shape
     out = torch.zeros_like(probs)
     todo = torch.arange(n, device=probs.device)  # rows whose nucleus is not found yet
@@ -367,6 +387,12 @@ def token_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling
         scaled = logits.float() if t == 1.0 else logits.float() / t  # [num_logit_rows, V]
         lse = torch.logsumexp(scaled, dim=1)  # [num_logit_rows]
         return torch.exp(scaled[rows, tokens] - lse[rows])
+    if kinds is not None and logits.device.type != "cpu":
+        # Filters, or greedy rows beside sampled ones, on an accelerator: every row's whole
+        # distribution, branches chosen by the host's kinds (no device read; on the CPU the
+        # per-kind split below is cheaper).
+        probs = probs_from_logits(logits.index_select(0, rows), sampling)  # [n, V]
+        return probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
     greedy = sampling.temperature == 0.0
     filtered = sampling.filters(logits.shape[1])
@@ -404,6 +430,10 @@ def probs_at_columns(logits: torch.Tensor, columns: torch.Tensor, sampling: Samp
     probs_from_logits.
     """
     n, k = columns.shape
+    if sampling.kinds is not None and logits.device.type != "cpu":
+        # On an accelerator: every row's whole distribution, branches chosen by the host's kinds
+        # (no device read; on the CPU the per-kind split below is cheaper).
+        return probs_from_logits(logits.index_select(0, rows), sampling).gather(1, columns)
     out = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     greedy = sampling.temperature == 0.0
     filtered = sampling.filters(logits.shape[1])

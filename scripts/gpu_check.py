@@ -15,7 +15,9 @@ Run 2 (`--run 2`):
       RemoteVerifier / RemoteDrafter; no FastAPI, uvicorn or Redis needed) at 1 and the largest
       of `--users`, against the embedded engine;
   (e) the attention implementations side by side (bench/attention_backends.py: padded SDPA,
-      FlexAttention, the Triton kernel; pass times and the difference from the reference).
+      FlexAttention, the Triton kernel; pass times and the difference from the reference);
+  (f) target-only greedy decoding with CUDA graphs (RunnerConfig.cuda_graphs) and without, at 1
+      stream and the largest of `--streams`: tokens/s, the ratio, the same tokens or not.
 Every figure is written with the device name and the torch and CUDA versions beside it:
 `--out`/gpu.json and `--out`/gpu.md (docs/results/ when committed).
 
@@ -25,9 +27,9 @@ the tracked files the check does not run); on the machine `run1 --payload .gpu/c
 checks and stashes its part (outside the repository, /tmp/dspark-payload; the drafter joined and
 decompressed) and runs the smoke round, and `run2 --payload .gpu/check/part2` stashes the last
 part, assembles the target (digests, chunks joined, the GGUF converted, tensors compared) and
-runs (a) to (d); `stash --payload partK` carries a middle part where a payload needs more than
-two. docs/gpu.md, "Prepared device check", has the commands; tests/test_gpu_payload.py rehearses
-them on the CPU.
+runs (a) to (d) and (f); `stash --payload partK` carries a middle part where a payload needs
+more than two. docs/gpu.md, "Prepared device check", has the commands;
+tests/test_gpu_payload.py rehearses them on the CPU.
 
 Rehearsal on a CPU (`--device cpu --tiny`): the tiny random target and drafter of the tests
 (loadtest.tiny_models) stand in for SmolLM2 and the shipped drafter; every step runs, only
@@ -410,6 +412,47 @@ def attention_backends(device: str, args, deadline: float) -> dict:
     return {"stopped before the end": "\n".join(lines[-40:])}
 
 
+def graphed_decode(models: Models, device: str, dtype: str, args, deadline: float) -> dict:
+    """Target-only greedy decoding through the engine with the decode and verification forwards
+    graphed (RunnerConfig.cuda_graphs: CUDA graphs on CUDA, the same static buffers run eagerly
+    elsewhere) and without, both with the PADDED attention the graphs need, at 1 stream and the
+    largest of `--streams`: tokens/s each, the ratio, and whether the outputs are the same."""
+    from dspark.cost_table import CostTable
+    from dspark.engine import Engine, EngineConfig
+    from dspark.models.drafter_config import DrafterConfig
+    from dspark.models.runner import RunnerConfig, TargetRunner
+    from dspark.models.transformer import AttentionImpl
+    from dspark.verifier import TargetVerifier
+
+    gamma = DrafterConfig.load(models.drafter).block_size
+    table = CostTable.from_step_seconds({b: 1.0 for b in (1, 2, 4, 8, 16, 32, 64)})  # unused: no drafts
+    rows: dict = {}
+    for streams in sorted({1, max(args.streams)}):
+        outputs, rates = {}, {}
+        for graphs in (False, True):
+            if time.monotonic() > deadline:
+                rows["stopped"] = "budget spent"
+                return rows
+            runner = TargetRunner(models.target, RunnerConfig(
+                device=device, dtype=dtype, kv_cache_tokens=streams * 2048,
+                attention=AttentionImpl.PADDED, cuda_graphs=graphs,
+                graph_rows_per_request=gamma + 1))
+            engine = Engine(TargetVerifier(runner), None, table,
+                            EngineConfig().with_values(policy="none", max_running=streams))
+            prompts = models.prompts[:streams]
+            generate(engine, prompts, 0.0, 4)  # warm-up: the first buckets' graphs captured
+            outputs[graphs], seconds = generate(engine, prompts, 0.0, args.max_tokens)
+            rates[graphs] = sum(map(len, outputs[graphs])) / seconds
+            label = "graphs" if graphs else "eager"
+            rows[f"streams={streams} {label} tokens/s"] = round(rates[graphs], 1)
+            if graphs:
+                rows[f"streams={streams} graphed forwards"] = runner.graphs.forwards
+        rows[f"streams={streams} graphs / eager"] = round(rates[True] / rates[False], 3)
+        rows[f"streams={streams} same tokens"] = outputs[True] == outputs[False]
+    rows["ok"] = all(v for k, v in rows.items() if k.endswith("same tokens"))
+    return rows
+
+
 # ------------------------------------------------------------------------------ report
 def write(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -698,12 +741,14 @@ def device_run(which: str, argv: list[str]) -> int:
 
         phases = [(f"payload {args.payload.name}", 0.05, stash_and_install),
                   ("payload assembled", 0.2, assemble),
-                  ("(a) exactness", 0.18, lambda d: exactness(need_models(), device, args)),
+                  ("(a) exactness", 0.16, lambda d: exactness(need_models(), device, args)),
                   ("(b) T=1 distribution", 0.1,
                    lambda d: distribution(need_models(), device, dtype, args)),
-                  ("(c) tokens/s", 0.32, lambda d: speed(need_models(), device, dtype, args, d)),
+                  ("(c) tokens/s", 0.28, lambda d: speed(need_models(), device, dtype, args, d)),
                   ("(d) services in process", 0.15,
-                   lambda d: services(need_models(), device, dtype, args))]
+                   lambda d: services(need_models(), device, dtype, args)),
+                  ("(f) graphed decode", 0.06,
+                   lambda d: graphed_decode(need_models(), device, dtype, args, d))]
     run_phases(results, phases, outs, total)
     results["environment"] = environment(device)  # with the carried wheels' versions
     for folder in outs:
@@ -745,7 +790,9 @@ def main(argv: list[str] | None = None) -> int:
                    ("(c) tokens/s", 0.3, lambda d: speed(models, device, dtype, args, d)),
                    ("(d) services in process", 0.15, lambda d: services(models, device, dtype,
                                                                         args)),
-                   ("(e) attention backends", 0.1, lambda d: attention_backends(device, args, d))]
+                   ("(e) attention backends", 0.1, lambda d: attention_backends(device, args, d)),
+                   ("(f) graphed decode", 0.1, lambda d: graphed_decode(models, device, dtype,
+                                                                        args, d))]
     run_phases(results, phases, args.out, total)
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     print(json.dumps(results, indent=2))

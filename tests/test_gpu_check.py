@@ -29,6 +29,8 @@ def test_the_device_check_rehearses_on_the_cpu(tmp_path):
     attention = results["(e) attention backends"]  # rows, or those it had when its time ran out
     assert "error" not in attention, attention
     assert set(attention.get("fastest", {}).values()) <= {"paged", "padded"}, attention
+    graphed = results["(f) graphed decode"]
+    assert graphed["ok"] and graphed["streams=2 graphed forwards"] > 0, graphed
     table = (tmp_path / "gpu.md").read_text()
     assert f"torch {results['environment']['torch']}" in table
 

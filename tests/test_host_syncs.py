@@ -3,8 +3,8 @@ a device tensor's values on the host, or an op whose output shape depends on the
 engine's runner and drafter on a pretend CUDA device. DSPARK_SYNC_STACKS=1 prints the stack of
 each one.
 
-A steady round makes at most 3 at 1 and at 64 requests, greedy and T=1, under `fixed:3` and
-`async_topk`: it makes 2, the drafted blocks' tokens and confidences to the host in one copy
+A steady round makes at most 3 at 1 and at 64 requests, greedy, T=1, and T=1 with top_p=0.9 or
+top_k=50, under `fixed:3` and `async_topk`: it makes 2, the drafted blocks' tokens and confidences to the host in one copy
 (dspark/drafts_to_host.py: the admission reads the confidences, the target's forward the
 tokens) and the verification's results (accepted counts, tokens, the check that every draft
 has probability > 0) in one copy (VerifyResult.to_host). The verifier's part (the target
@@ -38,8 +38,8 @@ ROUND_BOUND = 3
 TABLE = {b: 1.0 + 1e-6 * b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)}
 
 
-def count_round(folder, requests: int, temperature: float, policy: str = "fixed:3"
-                ) -> tuple[int, int, dict]:
+def count_round(folder, requests: int, temperature: float, policy: str = "fixed:3",
+                top_p: float = 1.0, top_k: int = 0) -> tuple[int, int, dict]:
     """(whole round, verifier.verify) syncs of the 4th round, and the round's calls by name.
     The round drafts every request and verifies drafts (else it would count too little)."""
     device = PretendDevice()
@@ -62,7 +62,8 @@ def count_round(folder, requests: int, temperature: float, policy: str = "fixed:
 
     engine.verifier.verify = counted
     for i in range(requests):
-        engine.add_request([3 + i % 50, 9, 27, 17], SamplingParams(temperature=temperature, seed=i),
+        engine.add_request([3 + i % 50, 9, 27, 17], SamplingParams(temperature=temperature, top_p=top_p,
+                                                          top_k=top_k, seed=i),
                            max_tokens=40)
     with device:
         for _ in range(3):  # prompts read, then steady rounds
@@ -84,11 +85,26 @@ def test_a_round_syncs_at_most_the_bound(tiny_target, requests, temperature, pol
     assert whole <= ROUND_BOUND, calls
 
 
-@pytest.mark.parametrize("attention", [AttentionImpl.PADDED, AttentionImpl.PER_REQUEST])
+@pytest.mark.parametrize("policy", ["fixed:3", "async_topk"])
+@pytest.mark.parametrize("requests", [1, 64])
+@pytest.mark.parametrize("filters", [dict(top_p=0.9), dict(top_k=50)], ids=["top_p", "top_k"])
+def test_a_filtered_round_syncs_at_most_the_bound(tiny_target, requests, filters, policy):
+    """The nucleus search (top_p < 1) and the top-k cut, in the drafter's sampling and the
+    target's, read nothing on the host either."""
+    folder, _ = tiny_target
+    whole, in_verify, calls = count_round(folder, requests, 1.0, policy, **filters)
+    assert in_verify <= VERIFIER_BOUND, calls
+    assert whole <= ROUND_BOUND, calls
+
+
+@pytest.mark.parametrize("attention", [AttentionImpl.PADDED, AttentionImpl.PER_REQUEST,
+                                       AttentionImpl.BLOCK_DIAGONAL])
 def test_a_pass_uploads_its_metadata_in_one_copy(tiny_target, attention):
     """Token ids, positions, cache slots, block tables, lengths and the rows that need logits
     of one pass cross to the device in one copy (dspark/models/pass_upload.py), and the runner
-    reads nothing back: a prompt forward of two passes, then a verification-like forward."""
+    reads nothing back: a prompt forward of two passes, then a verification-like forward.
+    BLOCK_DIAGONAL builds its mask from host lists in further copies, and reads nothing back
+    either (its unused rows are a mask, not a `nonzero`)."""
     folder, _ = tiny_target
     device = PretendDevice()
     runner = TargetRunner(folder, RunnerConfig(hidden_layer_ids=LAYER_IDS, kv_cache_tokens=4096,
@@ -105,5 +121,7 @@ def test_a_pass_uploads_its_metadata_in_one_copy(tiny_target, attention):
             assert len(runner._plan(items)) == passes
             device.reset_counts()
             out = runner.forward(items)
-            assert (device.uploads, device.syncs) == (passes, 0), dict(device.sync_calls)
+            assert device.syncs == 0, dict(device.sync_calls)
+            if attention is not AttentionImpl.BLOCK_DIAGONAL:
+                assert device.uploads == passes
     assert out.logits.shape[0] == 12 and device.is_on_device(out.logits)

@@ -204,3 +204,39 @@ def test_probs_at_columns_are_the_gathered_distributions(rows_taken):
         want = probs_from_logits(logits[rows], sampling).gather(1, columns)
         got = probs_at_columns(logits, columns, sampling, rows)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("filters", [True, False])
+def test_mixed_rows_on_an_accelerator_read_nothing_and_equal_the_cpu(filters):
+    """top-k, top-p (a nucleus wider than the first partial sort included), plain and greedy
+    rows mixed (or greedy and plain rows only), on a pretend CUDA device
+    (tests/pretend_device.py): probs_from_logits, token_probs_from_logits and probs_at_columns
+    make no host-device synchronisation, and give what the CPU's partial-sort and per-kind paths
+    give."""
+    from .pretend_device import PretendDevice
+
+    g = torch.Generator().manual_seed(6)
+    vocab = 600
+    menu = PARAMS if filters else [SamplingParams(temperature=t) for t in (1.0, 0.0, 0.5)]
+    params = [SamplingParams(temperature=1.0, top_p=0.9 if filters else 1.0)] + menu * 2
+    logits = torch.randn(len(params), vocab, generator=g) * 3
+    logits[0] *= 0.01  # a nearly flat row: its nucleus is wider than TOP_P_CANDIDATES[0]
+    tokens = torch.randint(0, vocab, (len(params),), generator=g)
+    columns = torch.randint(0, vocab, (len(params), 5), generator=g)
+    rows = torch.arange(len(params)).flip(0)
+    host = SamplingTensors.from_params(params)
+    want = (probs_from_logits(logits, host), token_probs_from_logits(logits, tokens, host, rows),
+            probs_at_columns(logits, columns, host, rows))
+    device = PretendDevice()
+    device.place(logits, tokens, columns, rows)
+    with device:
+        sampling = SamplingTensors.from_params(params, device=device.device)
+        device.reset_counts()
+        got = (probs_from_logits(logits, sampling),
+               token_probs_from_logits(logits, tokens, sampling, rows),
+               probs_at_columns(logits, columns, sampling, rows))
+        assert device.syncs == 0, dict(device.sync_calls)
+    if filters:
+        assert int((want[0][0] > 0).sum()) > TOP_P_CANDIDATES[0]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

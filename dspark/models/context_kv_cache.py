@@ -150,20 +150,36 @@ class ContextKVCache:
         """Padded copy for batched attention (the Eagle-style drafter): keys/values
         [num_layers, R, num_kv_heads, L_max, head_dim], positions [R, L_max] (padding slots at
         _PAD_POSITION, so masked)."""
-        contexts = [self._requests.get(rid) for rid in request_ids]
-        lengths = [0 if c is None else c.length for c in contexts]
-        R, L = len(request_ids), max(lengths, default=0)
-        if R == 1 and contexts[0] is not None:  # no copy for a single request
-            c = contexts[0]
-            return (c.keys[:, None, :, : c.length], c.values[:, None, :, : c.length],
-                    c.positions[None, : c.length])
-        keys = torch.zeros(num_layers, R, num_kv_heads, L, head_dim, dtype=dtype, device=device)
-        values = torch.zeros_like(keys)
-        positions = torch.full((R, L), _PAD_POSITION, dtype=torch.int64, device=device)
-        for r, c in enumerate(contexts):
-            if c is not None and c.length:
-                keys[:, r, :, : c.length] = c.keys[:, :, : c.length]
-                values[:, r, :, : c.length] = c.values[:, :, : c.length]
-                positions[r, : c.length] = c.positions[: c.length]
-        return keys, values, positions
+        return gather_padded([self._requests.get(rid) for rid in request_ids], num_layers,
+                             num_kv_heads, head_dim, dtype, device)
 
+
+def gather_padded(contexts: Sequence[RequestContext | None], num_layers: int, num_kv_heads: int,
+                  head_dim: int, dtype: torch.dtype, device: torch.device, extra_slots: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contexts side by side for one attention call over all of them: keys/values
+    [num_layers, R, num_kv_heads, L_max + extra_slots, head_dim] and positions [R, L_max]
+    (L_max: the longest context; None: an empty one). Padding slots hold zeros (finite, so a
+    masked slot adds exactly nothing) at position _PAD_POSITION, which no anchor exceeds: a
+    mask of `positions < anchor` hides them. The `extra_slots` after L_max are scratch for the
+    caller (the drafted block's own keys/values).
+
+    A single request is not copied: its buffer's own slots, with its scratch slots past `length`
+    as the extra ones (the caller has reserved them)."""
+    lengths = [0 if c is None else c.length for c in contexts]
+    R, L = len(contexts), max(lengths, default=0)
+    if R == 1 and contexts[0] is not None:
+        c = contexts[0]
+        assert c.keys.shape[2] >= c.length + extra_slots, "reserve the scratch slots first"
+        end = c.length + extra_slots
+        return c.keys[:, None, :, :end], c.values[:, None, :, :end], c.positions[None, : c.length]
+    keys = torch.zeros(num_layers, R, num_kv_heads, L + extra_slots, head_dim, dtype=dtype,
+                       device=device)
+    values = torch.zeros_like(keys)
+    positions = torch.full((R, L), _PAD_POSITION, dtype=torch.int64, device=device)
+    for r, c in enumerate(contexts):
+        if c is not None and c.length:
+            keys[:, r, :, : c.length] = c.keys[:, :, : c.length]
+            values[:, r, :, : c.length] = c.values[:, :, : c.length]
+            positions[r, : c.length] = c.positions[: c.length]
+    return keys, values, positions

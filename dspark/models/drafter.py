@@ -22,13 +22,14 @@ not parameters, and never part of the drafter's checkpoint.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.context_kv_cache import ContextKVCache, RequestContext
+from dspark.models.context_kv_cache import ContextKVCache, RequestContext, gather_padded
 from dspark.models.draft_sampling import (assemble_blocks, draft_uniforms, plan_rows,
                                           position_noise, sample_block_position)
 from dspark.models.draft_types import (BlockTrainOutputs, DraftBlock, DraftRequest,
@@ -114,6 +115,23 @@ class FrozenTargetHead(nn.Module):
                 module.pack_fused()
 
 
+class ContextAttention(Enum):
+    """How the drafter's layers attend to the requests' cached contexts when drafting."""
+
+    BATCHED = "batched"
+    """One SDPA call per layer for all requests: the contexts gathered side by side, padded and
+    masked (`context_kv_cache.gather_padded`), once per draft call."""
+    PER_REQUEST = "per_request"
+    """One SDPA call per request per layer, each context read in place: the reference."""
+
+    @staticmethod
+    def for_device(device: torch.device) -> "ContextAttention":
+        """The default: PER_REQUEST on a CPU, where a call costs little and the padded copy of
+        every context a round more (bench/draft_step.py, docs/results/drafter_attention.md);
+        BATCHED elsewhere, where each call is kernel launches."""
+        return ContextAttention.PER_REQUEST if device.type == "cpu" else ContextAttention.BATCHED
+
+
 class DSparkDrafter(FrozenTargetHead):
     """DFlash-style parallel backbone + sequential head + confidence head (docs/design.md section 3).
 
@@ -148,6 +166,8 @@ class DSparkDrafter(FrozenTargetHead):
         self.register_buffer("confidence_biases", torch.zeros(1, self.gamma), persistent=False)
         self._calibration_sampling_temps: list[float] = []  # [num_fits] when num_fits > 1
         self._cache = ContextKVCache()
+        self.context_attention: ContextAttention | None = None
+        """How drafting attends to the cached contexts; None: by the device (`ContextAttention`)."""
         # Context tokens not yet projected into the cache, per request: (features [n, m * hidden],
         # positions [n]) in arrival order (see append_context).
         self._pending: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -341,6 +361,31 @@ class DSparkDrafter(FrozenTargetHead):
                         self.embed_weight.new_zeros(self.config.hidden_size))
         return torch.stack(rows)
 
+    def _cached_backbone(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         contexts: Sequence[RequestContext], requests: Sequence[DraftRequest],
+                         anchor_pos: torch.Tensor) -> torch.Tensor:
+        """The layers over the blocks x [R, gamma, hidden] (cos/sin [R, gamma, head_dim]) with
+        each request's cached context (scratch slots reserved), by `context_attention`;
+        anchor_pos [R] on the device. Returns the last layer's x [R, gamma, hidden]."""
+        gamma = x.shape[1]
+        mode = self.context_attention or ContextAttention.for_device(x.device)
+        if mode is ContextAttention.PER_REQUEST:
+            masks = [c.visibility(r.anchor_position, gamma) for c, r in zip(contexts, requests)]
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_cached(x, cos, sin, contexts, i, masks)
+            return x
+        cfg = self.config
+        # keys/values [num_layers, R, kv_heads, L_max + gamma, head_dim]; positions [R, L_max]
+        keys, values, positions = gather_padded(contexts, len(self.layers), cfg.num_key_value_heads,
+                                                cfg.head_dim, x.dtype, x.device, extra_slots=gamma)
+        R, L = positions.shape
+        context_visible = positions < anchor_pos.unsqueeze(1)  # [R, L]: padding never is
+        mask = torch.cat([context_visible.unsqueeze(1).expand(R, gamma, L),
+                          context_visible.new_ones(R, gamma, gamma)], dim=2)  # [R, gamma, L + gamma]
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_padded(x, cos, sin, keys[i], values[i], mask)
+        return x
+
     @torch.no_grad()
     def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
               num_positions: int | None = None) -> list[DraftBlock]:
@@ -369,7 +414,6 @@ class DSparkDrafter(FrozenTargetHead):
                 cfg.hidden_size if cfg.inject_last_context else 0)
             ctx.reserve(ctx.length + gamma)
             contexts.append(ctx)
-        masks = [c.visibility(r.anchor_position, gamma) for c, r in zip(contexts, requests)]
         anchor_tok = torch.tensor([r.anchor_token for r in requests], dtype=torch.int64, device=device)
         anchor_pos = torch.tensor([r.anchor_position for r in requests], dtype=torch.int64,
                                   device=device)
@@ -380,8 +424,7 @@ class DSparkDrafter(FrozenTargetHead):
         if cfg.inject_last_context:
             x = x + self._last_context_states(contexts, requests).unsqueeze(1)
         cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_cached(x, cos, sin, contexts, i, masks)
+        x = self._cached_backbone(x, cos, sin, contexts, requests, anchor_pos)
         hn = self.norm(x)[:, :n]  # [R, n, hidden]
         base = self.base_logits(hn)  # [R, n, V_d]
 

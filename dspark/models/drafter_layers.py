@@ -115,6 +115,23 @@ class DrafterAttention(nn.Module):
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
 
+    def forward_padded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Inference, one attention call for all requests: x [R, Q, hidden]; keys/values
+        [R, num_kv_heads, L + Q, head_dim], the padded contexts (`context_kv_cache.gather_padded`)
+        whose last Q slots receive the block's own keys/values (written here); mask [R, Q, L + Q]
+        bool (True = attend). Equal to `forward_cached` up to float rounding: padding slots are
+        masked, so they add exactly zero."""
+        R, Q, _ = x.shape
+        L = keys.shape[2] - Q
+        assert keys.shape[0] == R and mask.shape == (R, Q, L + Q), (keys.shape, mask.shape, R, Q)
+        q, k_blk, v_blk = self._project_qkv(x, cos, sin)  # [R, heads or kv_heads, Q, head_dim]
+        keys[:, :, L:] = k_blk
+        values[:, :, L:] = v_blk
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1),
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * self.head_dim))
+
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        contexts: Sequence[RequestContext], layer: int,
                        masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -171,6 +188,11 @@ class DrafterLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_padded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_padded(self.input_layernorm(x), cos, sin, keys, values, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -183,9 +183,11 @@ def padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q_pad = q.index_select(0, token_of.flatten()).view(num_requests, max_query_len, num_kv_heads, group, head_dim)
     q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads, group * max_query_len, head_dim)
     # causal + padding mask [R, 1, group * Q, L]: new token i of request r sees positions
-    # 0 .. context_len - query_len + i; padded query rows see position 0 (a finite row, dropped).
+    # 0 .. context_len - query_len + i; padded query rows, and rows whose limit is negative (the
+    # graph runner's padding rows, dspark/models/graph_runner.py), see position 0 at least (a
+    # finite row, dropped) rather than nothing (a NaN row).
     limit = context_lens[:, None] - query_lens[:, None] + i[None, :]  # [R, Q]
-    limit = torch.where(q_valid, limit, torch.zeros_like(limit))
+    limit = torch.where(q_valid, limit, torch.zeros_like(limit)).clamp_min(0)
     mask = pos[None, None, :] <= limit[:, :, None]  # [R, Q, L]
     mask = mask[:, None].expand(num_requests, group, max_query_len, max_context_len).reshape(
         num_requests, 1, group * max_query_len, max_context_len)

@@ -25,6 +25,7 @@ import torch
 
 from dspark.models.config import ModelConfig
 from dspark.models.gguf_blocks import check_against_dense, find_gguf, read_block_weights
+from dspark.models.graph_runner import GraphRunner
 from dspark.models.kv_cache import KVCacheFull, PagedKVCache, RequestId
 from dspark.models.loader import load_model, resolve_dtype
 from dspark.models.packed_linear import packing_available
@@ -81,6 +82,13 @@ class RunnerConfig:
     CPU, dtype float32, the GGUF beside the safetensors (`dspark fetch-model`) and a C++
     compiler. "dense": the `dtype` tensors (packed per `cpu_packed_weights`). None: "q4" where
     it applies and the kernel has its AVX-512 or AVX2 path, else "dense"."""
+
+    cuda_graphs: bool | None = None
+    """Decode and verification forwards over static per-bucket buffers, captured as CUDA graphs
+    on CUDA and run eagerly elsewhere (`dspark.models.graph_runner`); they need the PADDED
+    attention. None: on for CUDA with PADDED, off elsewhere."""
+    graph_rows_per_request: int = 8
+    """A graphed forward's rows a request: gamma + 1 (the shipped drafter's block of 7, plus 1)."""
 
     q4_max_rows: int | None = 64
     """weights "q4": passes of more rows than this multiply with the packed float32 weights (kept
@@ -191,6 +199,11 @@ class TargetRunner:
             num_blocks=-(-config.kv_cache_tokens // config.block_size), block_size=config.block_size,
             dtype=self.dtype, device=self.device,
             zeroed=self.attention is AttentionImpl.FLEX)  # FlexAttention multiplies unwritten slots by 0
+        graphs = config.cuda_graphs
+        if graphs is None:
+            graphs = self.device.type == "cuda" and self.attention is AttentionImpl.PADDED
+        self.graphs = (GraphRunner(self, config.graph_rows_per_request, self.device.type == "cuda")
+                       if graphs else None)
 
     # -- model facts ---------------------------------------------------------------------------
     @property
@@ -284,6 +297,8 @@ class TargetRunner:
         return passes
 
     def _run(self, items: Sequence[ForwardItem], old_lengths: list[int]) -> ForwardOutput:
+        if self.graphs is not None and (out := self.graphs.forward(items, old_lengths)) is not None:
+            return out
         logits_parts: list[list[torch.Tensor]] = [[] for _ in items]
         hidden_parts: list[list[torch.Tensor]] = [[] for _ in items]
         group = self.model_config.num_queries_per_kv

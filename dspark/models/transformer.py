@@ -139,9 +139,10 @@ class FlatBatch:
     block_mask: torch.Tensor | None = None
     """BLOCK_DIAGONAL: bool [group * num_tokens, num_context_blocks * block_size]."""
     unused_rows: torch.Tensor | None = None
-    """BLOCK_DIAGONAL: int64 [num_unused] rows of the gathered K/V past their request's context
-    (the tail of its last block). They hold whatever the cache memory held, possibly NaN, and a
-    masked NaN still poisons softmax, so attention zeroes them."""
+    """BLOCK_DIAGONAL: bool [num_rows], True at the rows of the gathered K/V past their request's
+    context (the tail of its last block). They hold whatever the cache memory held, possibly NaN,
+    and a masked NaN still poisons softmax, so attention zeroes them (by a mask, not a list of
+    rows: a `nonzero` would wait for the device)."""
 
     @property
     def num_tokens(self) -> int:
@@ -181,14 +182,16 @@ class FlatBatch:
             assert not any(self.context_in_place), "the block-diagonal mask spans gathered contexts only"
             num_requests = len(self.query_lens)
             block_size = cache.manager.block_size
+            num_rows = self.gather_blocks.shape[0] * block_size
             request_of_token = torch.repeat_interleave(
                 torch.arange(num_requests, device=device),
-                torch.tensor(self.query_lens, device=device))  # [num_tokens]
+                torch.tensor(self.query_lens, device=device),
+                output_size=sum(self.query_lens))  # [num_tokens]
             offsets = torch.tensor(self.context_offsets, device=device)  # [num_requests]
-            rows_per_request = torch.diff(offsets, append=torch.tensor(
-                [self.gather_blocks.shape[0] * block_size], device=device))
-            request_of_row = torch.repeat_interleave(
-                torch.arange(num_requests, device=device), rows_per_request)  # [num_rows]
+            rows_per_request = torch.diff(offsets, append=torch.tensor([num_rows], device=device))
+            request_of_row = torch.repeat_interleave(  # output sizes known here: no device read
+                torch.arange(num_requests, device=device), rows_per_request,
+                output_size=num_rows)  # [num_rows]
             pos_of_row = torch.arange(request_of_row.shape[0], device=device) - offsets[request_of_row]
             # A row past the request's context (the unused tail of its last block) has a position
             # beyond every query's, so the causal test masks it too.
@@ -196,7 +199,7 @@ class FlatBatch:
                 pos_of_row[None, :] <= self.positions[:, None])  # [num_tokens, num_rows]
             self.block_mask = mask.repeat(group, 1)  # [group * num_tokens, num_rows]
             context_of_row = torch.tensor(self.context_lens, device=device)[request_of_row]  # [num_rows]
-            self.unused_rows = torch.nonzero(pos_of_row >= context_of_row).flatten()  # [num_unused]
+            self.unused_rows = pos_of_row >= context_of_row  # [num_rows]
 
 
 class Linear(nn.Module):
@@ -364,9 +367,9 @@ class Attention(nn.Module):
     def _gathered(self, batch: FlatBatch, cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [num_kv_heads, rows, head_dim] of the contexts whose blocks are scattered (a copy)."""
         k, v = cache.gather(layer, batch.gather_blocks)  # [rows, num_kv_heads, head_dim]
-        if batch.unused_rows is not None and batch.unused_rows.numel():
-            k.index_fill_(0, batch.unused_rows, 0.0)
-            v.index_fill_(0, batch.unused_rows, 0.0)
+        if batch.unused_rows is not None:
+            k.masked_fill_(batch.unused_rows[:, None, None], 0.0)  # [rows, num_kv_heads, head_dim]
+            v.masked_fill_(batch.unused_rows[:, None, None], 0.0)
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def _block_diagonal(self, q: torch.Tensor, batch: FlatBatch, cache: PagedKVCache,

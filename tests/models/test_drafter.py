@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from dspark.calibration.sts_map import CalibrationSet, STSCalibration
 from dspark.models.draft_types import DraftBlock, DraftRequest
-from dspark.models.drafter import DSparkDrafter, training_mask
+from dspark.models.drafter import ContextAttention, DSparkDrafter, training_mask
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
 from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
@@ -143,6 +143,39 @@ def test_incremental_context_equals_full_recompute(head, inject):
     assert torch.equal(ref.tokens, logits.argmax(-1))
     model.release("r")
     assert model.context_length("r") == 0
+
+
+@pytest.mark.parametrize("head,inject", [("markov", False), ("rnn", True), ("none", False)])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_batched_context_attention_equals_the_per_request_reference(head, inject, batch):
+    """ContextAttention.BATCHED (one SDPA a layer over padded contexts) drafts what PER_REQUEST
+    (one SDPA a request and layer, each context in place) does: the same greedy and seeded
+    tokens, probabilities and confidences to float rounding. The batch mixes context lengths,
+    a request with no context, one whose anchor hides part of its context, and a duplicate."""
+    models = [make_drafter(head, inject=inject) for _ in range(2)]
+    models[0].context_attention = ContextAttention.BATCHED
+    models[1].context_attention = ContextAttention.PER_REQUEST
+    ids, feats = sequence(T=20)
+    lengths = {"a": 3, "b": 17, "c": 9, "d": 0}
+    anchors = {"a": 3, "b": 17, "c": 5, "d": 0}  # c: context positions 5..8 masked
+    for model in models:
+        for rid, n in lengths.items():
+            model.append_context(rid, feats[0, :n], torch.arange(n))
+    order = ["a", "b", "c", "d", "b"][:batch]
+    blocks = []
+    for model in models:
+        requests = [DraftRequest(rid, int(ids[0, anchors[rid]]), anchors[rid],
+                                 SamplingParams(0.0 if i % 2 else 1.0), CounterGenerator(11 + i))
+                    for i, rid in enumerate(order)]
+        blocks.append(model.draft(requests))
+    for batched, reference in zip(*blocks):
+        assert torch.equal(batched.tokens, reference.tokens)
+        torch.testing.assert_close(batched.dense(VOCAB), reference.dense(VOCAB), rtol=0, atol=1e-5)
+        torch.testing.assert_close(batched.confidences, reference.confidences, rtol=0, atol=1e-5)
+    # Drafting wrote only scratch slots: the contexts still draft the same blocks.
+    again = [m.draft([DraftRequest("c", int(ids[0, 5]), 5, SamplingParams(0.0))])[0].tokens
+             for m in models]
+    assert torch.equal(*again)
 
 
 @pytest.mark.parametrize("inject", [False, True])

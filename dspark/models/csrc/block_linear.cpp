@@ -198,7 +198,7 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
 // values `widen` gives), then NT outputs by RT rows read them from there: the same fused
 // multiply-adds in the same order as `tile`, the widening paid once per ROW_CHUNK rows. Per block
 // the NT outputs' weights and each row's inputs are loaded once into registers and `pin`ned
-// there, so a 4 x 4 tile issues 16 loads for its 32 FMAs (GCC otherwise re-loads an operand for
+// there, so a 4 x 4 tile makes 16 loads for its 32 FMAs (GCC otherwise re-loads an operand for
 // every FMA: 64 loads, and the tile runs at the load ports' rate, not the FMA units').
 template <Format F>
 inline void widen_strip(const uint8_t* w, int64_t row_bytes, int64_t n0, int nt, int64_t in, float* strip) {

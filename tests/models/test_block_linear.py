@@ -66,7 +66,8 @@ def test_batch_invariant(fmt):
             assert torch.equal(block_linear(x[i:i + 1], w), batch[i:i + 1]), i
         for start in (0, 8, 53):
             assert torch.equal(block_linear(x[start:start + 8], w), batch[start:start + 8]), start
-        for rows in (2, 3, 5, 17):
+        # every register tile and its remainders (4, 2 and 1 rows), and past the 32-row chunk
+        for rows in (2, 3, 5, 6, 11, 17, 33):
             assert torch.equal(block_linear(x[:rows], w), batch[:rows]), rows
         torch.set_num_threads(2)
         assert torch.equal(block_linear(x, w), batch)
@@ -98,10 +99,11 @@ def test_isa_paths_bit_identical():
     builds = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
     exts = {k: build_kernel(_kernel_name(flags), flags) for k, flags in builds.items()}
     assert exts["avx2"].isa() == "avx2" and exts["portable"].isa() == "portable"
-    x = torch.randn(9, 576)
-    bias = torch.randn(40)
-    for fmt in BlockFormat:
-        w = random_blocks(fmt, 40, 576, seed=3)
-        outs = {k: getattr(e, f"{fmt.name.lower()}_linear")(x, w.blocks, bias) for k, e in exts.items()}
-        assert torch.equal(outs["native"], outs["avx2"]), fmt
-        assert torch.equal(outs["native"], outs["portable"]), fmt
+    bias = torch.randn(42)  # 42 outputs: whole tiles and a partial one on every path
+    for rows in (1, 11):  # the one-row kernel; the multi-row tiles with their remainders
+        x = torch.randn(rows, 576)
+        for fmt in BlockFormat:
+            w = random_blocks(fmt, 42, 576, seed=3)
+            outs = {k: getattr(e, f"{fmt.name.lower()}_linear")(x, w.blocks, bias) for k, e in exts.items()}
+            assert torch.equal(outs["native"], outs["avx2"]), (fmt, rows)
+            assert torch.equal(outs["native"], outs["portable"]), (fmt, rows)

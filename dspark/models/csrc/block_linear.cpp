@@ -46,7 +46,7 @@ inline float half_at(const uint8_t* p) {
     return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-inline int64_t block_bytes(Format f) { return f == Format::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES; }
+constexpr int64_t block_bytes(Format f) { return f == Format::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES; }
 
 // ---- the 32 weights of one block, widened: lo = weights 0..15, hi = weights 16..31 -------------
 #if defined(__AVX512F__)
@@ -77,6 +77,9 @@ inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// Keeps a loaded value in its register: without it GCC folds the load into every multiply-add
+// that uses it (one load per FMA, twice the loads the core can issue beside the FMAs).
+inline void pin(Vec& v) { asm volatile("" : "+v"(v)); }
 inline float finish(Vec s) {
     const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s),
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
@@ -112,6 +115,7 @@ inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+inline void pin(Vec&) {}  // 16 ymm leave no room to hold a tile's weights and inputs
 inline float finish(Vec s) {
     const __m256 s8 = _mm256_add_ps(s.a, s.b);
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -144,6 +148,7 @@ inline Vec fma(Vec a, Vec b, Vec c) {
     for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return r;
 }
+inline void pin(Vec&) {}
 inline float finish(Vec acc) {
     float s[16];
     std::memcpy(s, acc.v, sizeof s);
@@ -165,16 +170,17 @@ const char* isa_name() {
 }
 
 // NT outputs (n0 ..) by RT rows (r0 ..): each weight block widened once for the RT rows.
-template <int NT, int RT>
-inline void tile(Format f, const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+template <Format F, int NT, int RT>
+inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
                  int64_t n0, int64_t r0, const float* bias, float* y, int64_t out) {
-    const int64_t nb = in / QK, bb = block_bytes(f);
+    constexpr int64_t bb = block_bytes(F);
+    const int64_t nb = in / QK;
     Vec acc[RT][NT];
     for (int r = 0; r < RT; ++r)
         for (int n = 0; n < NT; ++n) acc[r][n] = zero();
     for (int64_t b = 0; b < nb; ++b) {
         Vec wlo[NT], whi[NT];
-        for (int n = 0; n < NT; ++n) widen(f, w + (n0 + n) * row_bytes + b * bb, wlo[n], whi[n]);
+        for (int n = 0; n < NT; ++n) widen(F, w + (n0 + n) * row_bytes + b * bb, wlo[n], whi[n]);
         for (int r = 0; r < RT; ++r) {
             const float* xr = x + (r0 + r) * in + b * QK;
             const Vec xlo = load(xr), xhi = load(xr + 16);
@@ -190,13 +196,18 @@ inline void tile(Format f, const float* x, int64_t in, const uint8_t* w, int64_t
 
 // Several rows: the tile's weights widened once into `strip` ([outputs][in] float32, the same
 // values `widen` gives), then NT outputs by RT rows read them from there: the same fused
-// multiply-adds in the same order as `tile`, the widening paid once per ROW_CHUNK rows.
-inline void widen_strip(Format f, const uint8_t* w, int64_t row_bytes, int64_t n0, int nt, int64_t in, float* strip) {
-    const int64_t nb = in / QK, bb = block_bytes(f);
+// multiply-adds in the same order as `tile`, the widening paid once per ROW_CHUNK rows. Per block
+// the NT outputs' weights and each row's inputs are loaded once into registers and `pin`ned
+// there, so a 4 x 4 tile makes 16 loads for its 32 FMAs (GCC otherwise re-loads an operand for
+// every FMA: 64 loads, and the tile runs at the load ports' rate, not the FMA units').
+template <Format F>
+inline void widen_strip(const uint8_t* w, int64_t row_bytes, int64_t n0, int nt, int64_t in, float* strip) {
+    constexpr int64_t bb = block_bytes(F);
+    const int64_t nb = in / QK;
     for (int n = 0; n < nt; ++n)
         for (int64_t b = 0; b < nb; ++b) {
             Vec lo, hi;
-            widen(f, w + (n0 + n) * row_bytes + b * bb, lo, hi);
+            widen(F, w + (n0 + n) * row_bytes + b * bb, lo, hi);
             store(strip + n * in + b * QK, lo);
             store(strip + n * in + b * QK + 16, hi);
         }
@@ -210,13 +221,21 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
     for (int r = 0; r < RT; ++r)
         for (int n = 0; n < NT; ++n) acc[r][n] = zero();
     for (int64_t b = 0; b < nb; ++b) {
+        // the NT outputs' 32 weights of block b held in registers across the RT rows
+        Vec wlo[NT], whi[NT];
+        for (int n = 0; n < NT; ++n) {
+            const float* wn = strip + (n_off + n) * in + b * QK;
+            wlo[n] = load(wn);
+            whi[n] = load(wn + 16);
+            pin(wlo[n]);
+            pin(whi[n]);
+        }
         for (int r = 0; r < RT; ++r) {
             const float* xr = x + (r0 + r) * in + b * QK;
-            const Vec xlo = load(xr), xhi = load(xr + 16);
-            for (int n = 0; n < NT; ++n) {
-                const float* wn = strip + (n_off + n) * in + b * QK;
-                acc[r][n] = fma(xhi, load(wn + 16), fma(xlo, load(wn), acc[r][n]));
-            }
+            Vec xlo = load(xr), xhi = load(xr + 16);
+            pin(xlo);
+            pin(xhi);
+            for (int n = 0; n < NT; ++n) acc[r][n] = fma(xhi, whi[n], fma(xlo, wlo[n], acc[r][n]));
         }
     }
     for (int r = 0; r < RT; ++r)
@@ -226,14 +245,61 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
         }
 }
 
-// Outputs per tile, and outputs widened together for 4, 2 and 1 rows (register budgets: 32 zmm
-// on AVX-512, 16 ymm on AVX2, each AVX2 Vec two of them).
-constexpr int OUT_TILE = 8;
+// Outputs per tile (the strip: OUT_TILE x in float32, 24 KB at in = 1536, inside a 32 KB L1),
+// and for several rows the register tile of STRIP_ROWS rows by STRIP_OUTS outputs (AVX-512: 16
+// accumulators + 8 weights + 2 inputs of the 32 zmm; AVX2: each Vec is two of the 16 ymm, too
+// few to pin a tile); remainder rows run as tiles of 2, then 1. N1 outputs widened together for
+// one row.
 #if defined(__AVX512F__)
-constexpr int N4 = 4, N2 = 8, N1 = 8;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8;
 #else
-constexpr int N4 = 2, N2 = 2, N1 = 4;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 2, STRIP_OUTS = 2, N1 = 4;
 #endif
+
+// y[rows, out] (+ bias) for one block format: the thread's output tiles, each row's outputs in
+// the fixed order above.
+template <Format F>
+void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int64_t row_bytes, int64_t out,
+              const float* bp, float* yp) {
+    if (rows == 1) {  // one row: N1 outputs' blocks widened in registers, nothing stored
+        const int64_t tiles = (out + N1 - 1) / N1;
+        at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+            for (int64_t t = t0; t < t1; ++t) {
+                const int64_t n0 = t * N1;
+                if (n0 + N1 <= out) {
+                    tile<F, N1, 1>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
+                } else {
+                    for (int64_t n = n0; n < out; ++n) tile<F, 1, 1>(xp, in, wp, row_bytes, n, 0, bp, yp, out);
+                }
+            }
+        });
+        return;
+    }
+    const int64_t tiles = (out + OUT_TILE - 1) / OUT_TILE;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> strip_buf(OUT_TILE * in);
+        float* strip = strip_buf.data();
+        for (int64_t rc = 0; rc < rows; rc += ROW_CHUNK) {
+            const int64_t rend = std::min(rows, rc + ROW_CHUNK);
+            for (int64_t t = t0; t < t1; ++t) {
+                const int64_t n0 = t * OUT_TILE;
+                if (n0 + OUT_TILE > out) {  // a partial tile: one output at a time
+                    for (int64_t n = n0; n < out; ++n)
+                        for (int64_t r = rc; r < rend; ++r) tile<F, 1, 1>(xp, in, wp, row_bytes, n, r, bp, yp, out);
+                    continue;
+                }
+                widen_strip<F>(wp, row_bytes, n0, OUT_TILE, in, strip);
+                int64_t r = rc;
+                for (; r + STRIP_ROWS <= rend; r += STRIP_ROWS)
+                    for (int n = 0; n < OUT_TILE; n += STRIP_OUTS)
+                        strip_tile<STRIP_OUTS, STRIP_ROWS>(xp, in, strip, n0, n, r, bp, yp, out);
+                for (; r + 2 <= rend; r += 2)
+                    for (int n = 0; n < OUT_TILE; n += STRIP_OUTS) strip_tile<STRIP_OUTS, 2>(xp, in, strip, n0, n, r, bp, yp, out);
+                for (; r < rend; ++r) strip_tile<OUT_TILE, 1>(xp, in, strip, n0, 0, r, bp, yp, out);
+            }
+        }
+    });
+}
 
 torch::Tensor block_linear(Format f, const torch::Tensor& x_in, const torch::Tensor& blocks,
                            const c10::optional<torch::Tensor>& bias_in) {
@@ -258,33 +324,11 @@ torch::Tensor block_linear(Format f, const torch::Tensor& x_in, const torch::Ten
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
-    const int64_t tiles = (out + OUT_TILE - 1) / OUT_TILE;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-        std::vector<float> strip_buf(rows >= 2 ? OUT_TILE * in : 0);
-        float* strip = strip_buf.data();
-        for (int64_t rc = 0; rc < rows; rc += ROW_CHUNK) {
-            const int64_t rend = std::min(rows, rc + ROW_CHUNK);
-            for (int64_t t = t0; t < t1; ++t) {
-                const int64_t n0 = t * OUT_TILE;
-                if (n0 + OUT_TILE > out) {  // a partial tile: one output at a time
-                    for (int64_t n = n0; n < out; ++n)
-                        for (int64_t r = rc; r < rend; ++r) tile<1, 1>(f, xp, in, wp, row_bytes, n, r, bp, yp, out);
-                    continue;
-                }
-                int64_t r = rc;
-                if (rend - rc >= 2) {
-                    widen_strip(f, wp, row_bytes, n0, OUT_TILE, in, strip);
-                    for (; r + 4 <= rend; r += 4)
-                        for (int n = 0; n < OUT_TILE; n += N4) strip_tile<N4, 4>(xp, in, strip, n0, n, r, bp, yp, out);
-                    for (; r + 2 <= rend; r += 2)
-                        for (int n = 0; n < OUT_TILE; n += N2) strip_tile<N2, 2>(xp, in, strip, n0, n, r, bp, yp, out);
-                    for (; r < rend; ++r) strip_tile<OUT_TILE, 1>(xp, in, strip, n0, 0, r, bp, yp, out);
-                }
-                for (; r < rend; ++r)
-                    for (int n = 0; n < OUT_TILE; n += N1) tile<N1, 1>(f, xp, in, wp, row_bytes, n0 + n, r, bp, yp, out);
-            }
-        }
-    });
+    if (f == Format::Q4_1) {
+        products<Format::Q4_1>(xp, rows, in, wp, row_bytes, out, bp, yp);
+    } else {
+        products<Format::Q8_0>(xp, rows, in, wp, row_bytes, out, bp, yp);
+    }
     return y;
 }
 

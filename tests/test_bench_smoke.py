@@ -41,6 +41,8 @@ EXEMPT = {
                      "target",
     "grammar_mask.py": "a JSON grammar needs a tokenizer that can spell JSON (the real target's); "
                        "tests/test_structured_output.py tests the masks",
+    "q4_kernel_versions.py": "builds two versions of the block kernel and times them on the real "
+                             "model's GGUF blocks; tests/models/test_block_linear.py tests the kernel",
     "q4_linear.py": "times the block kernel on the real model's GGUF layer shapes; "
                     "tests/models/test_block_linear.py tests the kernel",
     "q4_decode_interleaved.py": "decode steps of the real model's GGUF blocks; "

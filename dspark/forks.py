@@ -53,7 +53,7 @@ def fork_joined(joined: Sequence[Request], running: Sequence[Request], verifier:
             held.take([parent.request_id], verifier, drafter)
         try:
             verifier.fork(parent.request_id, child.request_id, child.prompt_ids[:shared],
-                          child.sampling)
+                          child.sampling, child.generator)
         except KVCacheFull:
             continue  # it reads its prompt instead (and waits for the cache like any request)
         if drafter is not None:

@@ -525,13 +525,14 @@ class TargetVerifier:
         return state
 
     def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: Sequence[int],
-             sampling: SamplingParams) -> None:
+             sampling: SamplingParams, generator: CounterGenerator | None = None) -> None:
         """A new request `child_id` whose KV cache holds a copy of `parent_id`'s first
         len(token_ids) tokens (which are `token_ids`, the prompt both share), its logits
         processing started under `sampling` having read them; its next prefill chunk continues
         from there (`PrefillChunk.continued`). The parent's held features stay its own: the
         caller hands them to the drafter first. KVCacheFull (nothing changed) when the copy
-        does not fit."""
+        does not fit. `generator`: the child's random numbers (here its chunks bring them; a
+        remote verifier sends their seed)."""
         if self.runner.has_request(child_id):
             raise ValueError(f"fork into {child_id!r}: request already held")
         self.runner.fork(parent_id, child_id, len(token_ids))

@@ -12,10 +12,14 @@ import pytest
 import torch
 
 from dspark.models.context_kv_cache import ContextKVCache
+from dspark.models.draft_types import DraftRequest
 from dspark.models.kv_cache import KVCacheFull, PagedKVCache
+from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 from loadtest.tiny_models import GAMMA
 
+from .conftest import tiny_dspark
+from .models.test_eagle import HIDDEN, M, make_eagle
 from .test_engine import PROMPTS, make_engine, reference_greedy  # noqa: F401 (a fixture)
 
 POLICIES = ["none", f"fixed:{GAMMA}", "async_topk"]
@@ -126,3 +130,41 @@ def test_context_fork_keeps_the_positions_before_the_cut():
     assert torch.equal(child.hidden[:3], parent.hidden[:3])
     contexts.fork("p", "e", 0)
     assert "e" not in contexts
+
+
+
+def _draft(drafter, request_id, anchor: int, anchor_position: int):
+    return drafter.draft([DraftRequest(request_id, anchor, anchor_position,
+                                       SamplingParams(temperature=1.0), CounterGenerator(5))])[0]
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_dspark_drafter_fork_drafts_as_the_whole_context(tiny_target, projected):
+    """A child forked at position 6 from a parent whose context runs to 9, then given its own
+    positions 6..8, drafts what a request given positions 0..8 by appends drafts, whether the
+    parent's context was pending or already projected when it was forked."""
+    drafter = tiny_dspark(0, make_engine(tiny_target[0], "none").verifier.runner)
+    features, tokens = torch.randn(9, drafter.fc.weight.shape[1]), torch.randint(3, 60, (9,))
+    drafter.append_context("whole", features, torch.arange(9), tokens)
+    drafter.append_context("parent", features, torch.arange(9), tokens)
+    if projected:
+        drafter.context_length("parent")  # projects the pending tokens into the cache
+    drafter.fork("parent", "child", 6)
+    drafter.append_context("child", features[6:], torch.arange(6, 9), tokens[6:])
+    whole, child = _draft(drafter, "whole", 7, 9), _draft(drafter, "child", 7, 9)
+    assert torch.equal(whole.tokens, child.tokens)
+    assert torch.allclose(whole.probs, child.probs, atol=1e-5)
+
+
+def test_eagle_drafter_fork_drafts_as_the_whole_context():
+    """As above for the Eagle-style drafter, whose child continues from the fused feature of
+    the last copied position."""
+    drafter = make_eagle()
+    features, tokens = torch.randn(9, M * HIDDEN), torch.randint(0, 40, (9,))
+    drafter.append_context("whole", features, torch.arange(9), tokens)
+    drafter.append_context("parent", features, torch.arange(9), tokens)
+    drafter.fork("parent", "child", 6)
+    drafter.append_context("child", features[6:], torch.arange(6, 9), tokens[6:])
+    whole, child = _draft(drafter, "whole", 7, 9), _draft(drafter, "child", 7, 9)
+    assert torch.equal(whole.tokens, child.tokens)
+    assert torch.allclose(whole.probs, child.probs, atol=1e-5)

@@ -121,6 +121,7 @@ class Batcher:
         self.joins_paused = False
         free = self.config.max_running - len(self.running) - len(self.prefilling)
         joining = self.waiting[:max(0, free)]
+        joining = joining[:self._joinable(joining)]
         if self.config.kv_cache_tokens:
             reserved = sum(self.kv_tokens_reserved(r) for r in [*self.running, *self.prefilling])
             fitting = 0
@@ -135,6 +136,18 @@ class Batcher:
         if joining:
             self.waiting = self.waiting[len(joining):]
             self.prefilling += joining
+
+    def _joinable(self, joining: Sequence[Request]) -> int:
+        """How many of the first waiting requests may join: up to the first one that forks a
+        request still reading its prompt (in prefilling, or ahead of it in the queue), which
+        joins once that prompt is read (dspark/forks.py), first come, first served. A request
+        whose parent waits behind it (both preempted) does not wait for it."""
+        unread = {r.request_id for r in self.prefilling}
+        for i, r in enumerate(joining):
+            if r.fork_of is not None and r.fork_of in unread:
+                return i
+            unread.add(r.request_id)
+        return len(joining)
 
     def kv_tokens_reserved(self, r: Request) -> int:
         """The request's worst case in KV cache tokens, in whole blocks."""

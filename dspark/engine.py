@@ -4,7 +4,9 @@ One `step()` is one round for every running request:
 1. waiting requests join (up to `max_running`): the target reads their prompts, in chunks of at
    most `prefill_chunk_tokens` per round that ride in the round's verification forward (chunked
    prefill); a prompt's last chunk samples the request's first token, and the drafter receives
-   each chunk's target features;
+   each chunk's target features; a request that is another sample of a running request's
+   prompt (`fork_of`) copies its KV cache and drafter context instead and reads only the
+   prompt's last token (dspark/forks.py);
 2. the drafter drafts a block of gamma tokens for every running request (anchor = last token);
 3. the admission policy decides from the blocks' confidences how many drafts of each request
    the target verifies (l_r; capped so no request overshoots its max_tokens);
@@ -40,6 +42,7 @@ from dspark.batching import Batcher, BatchingConfig
 from dspark.cost_table import CostTable
 from dspark.drafting_gate import DraftingGateConfig, RoundMode, RoundPlan
 from dspark.drafts_to_host import drafts_to_host
+from dspark.forks import fork_joined
 from dspark.gumbel_verification import request_generator
 from dspark.held_features import HeldFeatures
 from dspark.logprobs import TokenLogprobs, check_num_top
@@ -152,14 +155,18 @@ class Engine:
                     max_tokens: int = 128, stop_token_ids: Sequence[int] = (),
                     request_id: Hashable | None = None, logprobs: int | None = None,
                     grammar: GrammarSpec | None = None,
-                    grammar_prefix: Sequence[int] = ()) -> Hashable:
+                    grammar_prefix: Sequence[int] = (),
+                    fork_of: Hashable | None = None) -> Hashable:
         """`logprobs`: report the target's log-probabilities of the output tokens with this
         many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none. A sampling
         with min_tokens holds `stop_token_ids` back until then (SamplingParams.stop_token_ids).
         `grammar`: structured output (dspark.structured_output), which needs a stop token to end
         on (and no min_tokens, which could hold it back where the grammar allows nothing else);
         `grammar_prefix`: the prompt's last tokens that are output under it already (a resumed
-        request's)."""
+        request's).
+        `fork_of`: another sample of the prompt of this request (added before, the same
+        prompt): this one copies its prompt's KV cache when it joins instead of reading the
+        prompt (dspark/forks.py); its tokens are what it would give alone."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_tokens < 1:
@@ -182,7 +189,8 @@ class Engine:
         generator = request_generator(sampling, getattr(self.verifier, "rule", None))
         self.batcher.add(Request(rid, list(prompt_ids), sampling, max_tokens,
                                  frozenset(stop_token_ids), generator, logprobs=logprobs,
-                                 grammar=grammar, grammar_prefix=tuple(grammar_prefix)))
+                                 grammar=grammar, grammar_prefix=tuple(grammar_prefix),
+                                 fork_of=fork_of))
         return rid
 
     def abort(self, request_id: Hashable) -> None:
@@ -222,7 +230,7 @@ class Engine:
                 if self.running:
                     outputs += self._round([])
                 return StepResult(outputs, step)
-            self.batcher.join_waiting()
+            self._join_waiting()
             chunks = self.batcher.plan_chunks()
             if self.running:
                 outputs += self._round(chunks)
@@ -251,6 +259,17 @@ class Engine:
                                error=f"the KV cache cannot hold this request ({full})")]
         self._step.preemptions += 1
         return []
+
+    def _join_waiting(self) -> None:
+        """Waiting requests take free slots; those that fork a running request copy its
+        prompt's caches (dspark/forks.py)."""
+        before = len(self.prefilling)
+        self.batcher.join_waiting()
+        joined = self.prefilling[before:]
+        if any(r.fork_of is not None for r in joined):
+            self._step.forked_tokens += fork_joined(
+                joined, self.running, self.verifier, self.drafter if self.speculative else None,
+                self._held)
 
     def _prefill_only(self, planned: list[tuple[Request, PrefillChunk]]) -> list[StepOutput]:
         """A step with nothing to decode: the forward reads prompt chunks only."""
@@ -294,14 +313,19 @@ class Engine:
     def _admit_waiting(self) -> list[StepOutput]:
         """Unchunked prefill: the joiners' whole prompts in one prompt-only forward, before the
         round; a joiner runs from its first token on."""
-        self.batcher.join_waiting()
+        self._join_waiting()
         outputs = []
         again = [r for r in self.prefilling if r.recomputing]
         if again:  # preempted requests re-read their tokens without sampling
             outputs += self._prefill_only(self.batcher.plan_chunks(
                 sum(len(r.tokens_to_read) for r in again), again))
+        forked = [r for r in self.prefilling if r.prefilled]
+        if forked:  # forks read their prompts' last tokens
+            outputs += self._prefill_only(self.batcher.plan_chunks(
+                sum(len(r.prompt_ids) - r.prefilled for r in forked), forked))
+        fresh = [r for r in self.prefilling if not r.prefilled]
         planned = self.batcher.plan_chunks(
-            budget=sum(len(r.prompt_ids) for r in self.prefilling))
+            budget=sum(len(r.prompt_ids) for r in fresh), requests=fresh)
         if not planned:
             return outputs
         joining = [r for r, _ in planned]

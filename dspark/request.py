@@ -56,6 +56,10 @@ class Request:
     grammar_prefix: tuple[int, ...] = ()
     """The end of the prompt that the grammar has read already (a resumed request's earlier
     output, given back as prompt)."""
+    fork_of: Hashable | None = None
+    """The n samples of one prompt (dspark/forks.py): the request with the same prompt whose KV
+    cache and drafter context this one copies when it joins, instead of reading its prompt
+    (None: it reads its prompt)."""
     grammar_held: bool = False
     """The verifier holds the request's grammar state (false until its first token, and again
     after the verifier released it)."""

@@ -101,6 +101,9 @@ class RoundStats:
     """Requests preempted because the KV cache could not hold the step."""
     prompt_tokens: int = 0
     """Prompt tokens the target read this step (a preempted request's re-read included)."""
+    forked_tokens: int = 0
+    """Prompt tokens requests took from a sibling's KV cache this step instead of reading them
+    (dspark/forks.py)."""
     seconds: StageSeconds = field(default_factory=StageSeconds)
     drafted: RoundRecord | None = None
     """The drafted requests (None: the round drafted nothing, or a preemption undid it before
@@ -145,6 +148,10 @@ class EngineStats:
     """async_topk rounds that drafted nothing although K could be > 0 (plain_check_interval)."""
     preemptions: int = 0
     """Requests preempted because the KV cache could not hold a round (see dspark.batching)."""
+    prompt_tokens: int = 0
+    """Prompt tokens the target read (RoundStats.prompt_tokens summed)."""
+    forked_tokens: int = 0
+    """Prompt tokens taken from a sibling's KV cache instead (RoundStats.forked_tokens summed)."""
 
     def add(self, step: RoundStats) -> None:
         self.seconds.add(step.seconds)
@@ -157,6 +164,8 @@ class EngineStats:
         self.sampled_probe_rounds += step.mode is RoundMode.PROBE_SAMPLE
         self.plain_check_rounds += step.mode is RoundMode.PLAIN_CHECK
         self.preemptions += step.preemptions
+        self.prompt_tokens += step.prompt_tokens
+        self.forked_tokens += step.forked_tokens
 
     # The totals by stage, under the names the benchmarks and tests have read.
     @property

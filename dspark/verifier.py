@@ -12,6 +12,8 @@ It owns the target runner (and so every request's KV cache) and offers the engin
   does;
 - `take_features`: the features of items marked `hold_features`, kept here until the drafter
   needs them (dspark.feature_stash);
+- `fork`: a new request that starts from another's prompt: a copy of the prompt's KV cache and
+  logits-processing state, so that the n samples of one prompt read it once (dspark/forks.py);
 - `release`: forget a request (its KV cache and held features).
 The engine calls these as plain methods; the services put the same object behind gRPC.
 
@@ -521,6 +523,21 @@ class TargetVerifier:
         state = self.grammars.state_for(grammar)
         self.grammar_states[request_id] = state
         return state
+
+    def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: Sequence[int],
+             sampling: SamplingParams, generator: CounterGenerator | None = None) -> None:
+        """A new request `child_id` whose KV cache holds a copy of `parent_id`'s first
+        len(token_ids) tokens (which are `token_ids`, the prompt both share), its logits
+        processing started under `sampling` having read them; its next prefill chunk continues
+        from there (`PrefillChunk.continued`). The parent's held features stay its own: the
+        caller hands them to the drafter first. KVCacheFull (nothing changed) when the copy
+        does not fit. `generator`: the child's random numbers (here its chunks bring them; a
+        remote verifier sends their seed)."""
+        if self.runner.has_request(child_id):
+            raise ValueError(f"fork into {child_id!r}: request already held")
+        self.runner.fork(parent_id, child_id, len(token_ids))
+        self.processing.start(child_id, sampling)
+        self.processing.observe(child_id, token_ids)
 
     def release(self, request_id: Hashable) -> None:
         self.grammar_states.pop(request_id, None)

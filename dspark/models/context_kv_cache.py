@@ -141,6 +141,30 @@ class ContextKVCache:
     def release(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
 
+    def fork(self, parent: Hashable, child: Hashable, num_positions: int) -> None:
+        """`child`'s context: a copy of `parent`'s context tokens at positions < num_positions
+        (their keys, values, positions and fused states, in the parent's order); none when the
+        parent has none there. Replaces whatever `child` had."""
+        self._requests.pop(child, None)
+        ctx = self._requests.get(parent)
+        if ctx is None or ctx.length == 0:
+            return
+        if ctx.max_position < num_positions:  # the usual case: all of it
+            keep = torch.arange(ctx.length, device=ctx.positions.device)
+        else:
+            keep = torch.nonzero(ctx.positions[: ctx.length] < num_positions).flatten()
+        n = int(keep.numel())
+        if n == 0:
+            return
+        copy = RequestContext(ctx.keys.shape[0], ctx.keys.shape[1], ctx.keys.shape[3],
+                              ctx.keys.dtype, ctx.keys.device, capacity=max(64, n),
+                              hidden_size=ctx.hidden.shape[1] if ctx.hidden.shape[0] else 0)
+        positions = ctx.positions.index_select(0, keep)  # [n]
+        copy.append(ctx.keys.index_select(2, keep), ctx.values.index_select(2, keep), positions,
+                    ctx.hidden.index_select(0, keep) if ctx.hidden.shape[0] else None,
+                    host_positions=positions.cpu())
+        self._requests[child] = copy
+
     def get(self, request_id: Hashable) -> RequestContext | None:
         return self._requests.get(request_id)
 

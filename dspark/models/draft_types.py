@@ -114,6 +114,11 @@ class Drafter(Protocol):
 
     def release(self, request_id: Hashable) -> None: ...
 
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_positions: int) -> None:
+        """`child_id`'s context becomes a copy of `parent_id`'s at positions < num_positions
+        (the n samples of one prompt, dspark/forks.py)."""
+        ...
+
     def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
               num_positions: int | None = None) -> list[DraftBlock]:
         """One block per request. `num_positions` (1..gamma; None = gamma): draft only the first

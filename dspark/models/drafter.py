@@ -346,6 +346,23 @@ class DSparkDrafter(FrozenTargetHead):
         self._pending.pop(request_id, None)
         self._cache.release(request_id)
 
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_positions: int) -> None:
+        """`child_id`'s context: `parent_id`'s context tokens at positions < num_positions,
+        the projected ones copied and the pending ones pending for the child too (projecting
+        them now would change the parent's float summation order)."""
+        self._cache.fork(parent_id, child_id, num_positions)
+        pieces = []
+        for features, positions in self._pending.get(parent_id, ()):
+            keep = positions < num_positions  # [n] on the host
+            if bool(keep.all()):
+                pieces.append((features, positions))
+            elif bool(keep.any()):
+                pieces.append((features[keep], positions[keep]))
+        if pieces:
+            self._pending[child_id] = pieces
+        else:
+            self._pending.pop(child_id, None)
+
     def context_length(self, request_id: Hashable) -> int:
         self._absorb_pending([request_id])
         return self._cache.length(request_id)

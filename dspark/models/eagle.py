@@ -242,13 +242,25 @@ class EagleDrafter(FrozenTargetHead):
                                            hid_in)
             cos, sin = self._rope(positions.unsqueeze(0), dtype)
             k, v = self.midlayer.self_attn.project_kv(x2.unsqueeze(0), cos, sin)  # [1, kv, n, hd]
-        self._cache.append(request_id, k, v, positions,  # "num_layers" axis = batch axis of 1
+        # "num_layers" axis = batch axis of 1; each token's fused feature g kept beside its K/V
+        # (a fork's child continues from the g of its last copied position).
+        self._cache.append(request_id, k, v, positions, hidden=g,
                            host_positions=host_positions)
         self._requests[request_id] = _EagleRequest(g[-1], int(host_positions[-1]))
 
     def release(self, request_id: Hashable) -> None:
         self._cache.release(request_id)
         self._requests.pop(request_id, None)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_positions: int) -> None:
+        """`child_id`'s context: `parent_id`'s context tokens at positions < num_positions,
+        continuing from the fused feature of the last of them."""
+        self._cache.fork(parent_id, child_id, num_positions)
+        self._requests.pop(child_id, None)
+        ctx = self._cache.get(child_id)
+        if ctx is not None:
+            self._requests[child_id] = _EagleRequest(ctx.hidden[ctx.length - 1].clone(),
+                                                     ctx.last_position)
 
     def context_length(self, request_id: Hashable) -> int:
         return self._cache.length(request_id)

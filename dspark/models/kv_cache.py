@@ -13,6 +13,12 @@ whole batch, `KVCacheFull` is raised and nothing changed, so the caller can make
 or refuse it. Truncating (dropping rejected drafts, docs/design.md section 5) returns the blocks that
 are no longer needed to the free list.
 
+Forking (`PagedKVCache.fork`, the n samples of one prompt): a new request gets its own blocks
+holding a copy of another's first tokens' K/V. Copying rather than sharing full blocks under
+a reference count keeps every block owned by one request, so truncation, freeing, growth into
+the next block and the contiguous fast path of attention stay as they are; the copy costs one
+device copy of the prefix per child, which is small beside the forward it replaces.
+
 Placement. Any free block can serve any request (that is what makes the cache paged), but which
 one is chosen matters on a CPU: attention over a request whose blocks happen to be consecutive
 reads its K/V in place, while scattered blocks must first be gathered into a copy, and that copy
@@ -215,6 +221,28 @@ class PagedKVCache:
         """Store new keys/values k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping [num_tokens]."""
         self.k[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
         self.v[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
+
+    def fork(self, parent: RequestId, child: RequestId, num_tokens: int) -> None:
+        """A new request `child` whose first `num_tokens` positions hold a copy of `parent`'s
+        K/V there (all layers). Raises KVCacheFull (nothing changed) when the free blocks
+        cannot hold them."""
+        manager = self.manager
+        if not 0 < num_tokens <= manager.length(parent):
+            raise ValueError(f"cannot fork {num_tokens} tokens of {parent!r} "
+                             f"(it holds {manager.length(parent)})")
+        manager.add_request(child)
+        try:
+            manager.grow({child: num_tokens})
+        except KVCacheFull:
+            manager.free(child)
+            raise
+        source = manager.slots(parent, 0, num_tokens)  # [num_tokens]
+        target = manager.slots(child, 0, num_tokens)  # [num_tokens]
+        if source.device != self.k.device:
+            source, target = source.to(self.k.device), target.to(self.k.device)
+        for storage in (self.k, self.v):  # [num_layers, num_blocks, block_size, kv, hd]
+            flat = storage.flatten(1, 2)  # [num_layers, num_slots, kv, hd], a view
+            flat.index_copy_(1, target, flat.index_select(1, source))
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [len(block_ids) * block_size, num_kv_heads, head_dim] of whole blocks (a copy)."""

@@ -237,6 +237,11 @@ class TargetRunner:
     def free(self, request_id: RequestId) -> None:
         self.cache.manager.free(request_id)
 
+    def fork(self, parent: RequestId, child: RequestId, num_tokens: int) -> None:
+        """A new request `child` holding a copy of `parent`'s first `num_tokens` tokens' K/V
+        (PagedKVCache.fork); KVCacheFull (nothing changed) when they do not fit."""
+        self.cache.fork(parent, child, num_tokens)
+
     @property
     def num_free_blocks(self) -> int:
         return self.cache.manager.num_free_blocks

@@ -9,7 +9,8 @@ Each request stays in one cohort for its whole life, so its own sequence of draf
 verification is exactly the single-loop one: losslessness is untouched. Nothing of the round
 logic is duplicated: a cohort *is* the ordinary engine loop.
 
-New requests go to the cohort with the fewest live requests. The object offers the EngineLoop
+New requests go to the cohort with the fewest live requests; another sample of a prompt
+(`Submission.fork_of`) goes where its first sample is, whose prompt caches it copies. The object offers the EngineLoop
 interface (submit, cancel, is_live, queue_depth, start, stop), so front ends do not care.
 """
 
@@ -35,7 +36,9 @@ class Cohorts:
 
     def submit(self, submission: Submission) -> queue.Queue:
         with self._lock:  # pick and submit together, so concurrent submissions spread out
-            loop = min(self.loops, key=lambda lp: lp.num_live())
+            siblings = [lp for lp in self.loops
+                        if submission.fork_of is not None and lp.is_live(submission.fork_of)]
+            loop = siblings[0] if siblings else min(self.loops, key=lambda lp: lp.num_live())
             return loop.submit(submission)
 
     def cancel(self, request_id: str) -> None:

@@ -53,6 +53,9 @@ class Submission:
     """Structured output (dspark.structured_output); None = none."""
     grammar_prefix: list[int] = field(default_factory=list)
     """The end of the prompt that is output under the grammar already (a resumed request's)."""
+    fork_of: str | None = None
+    """Another sample of the same prompt, submitted before (its request id): this one copies
+    its prompt's caches instead of reading the prompt (dspark/forks.py). None: it reads it."""
 
 
 @dataclass
@@ -195,7 +198,8 @@ class EngineLoop:
             "dspark.max_tokens": s.max_tokens})
         rid = self.engine.add_request(s.prompt_ids, s.sampling, s.max_tokens, s.stop_token_ids,
                                       request_id=s.request_id, logprobs=s.logprobs,
-                                      grammar=s.grammar, grammar_prefix=s.grammar_prefix)
+                                      grammar=s.grammar, grammar_prefix=s.grammar_prefix,
+                                      fork_of=s.fork_of)
         already = len(s.stored.output_ids) if s.stored is not None else 0
         self._live[s.request_id] = _Live(self.engine.request(rid), events, span, already)
         self.metrics.record_prompt(len(s.prompt_ids))

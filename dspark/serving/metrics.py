@@ -100,6 +100,14 @@ class SchedulerMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(model_name)
+        self.prompt_tokens_read = counter(
+            "prompt_tokens_read",
+            "Prompt tokens the target read (a preempted request's re-read included).").labels(
+                model_name)
+        self.prompt_tokens_forked = counter(
+            "prompt_tokens_forked",
+            "Prompt tokens a sample of n took from its prompt's first sample's KV cache instead "
+            "of reading them (dspark/forks.py).").labels(model_name)
         self.generation_tokens = counter("generation_tokens",
                                          "Tokens generated.").labels(model_name)
         self.num_drafts = counter(
@@ -172,6 +180,8 @@ class SchedulerMetrics:
         stages["other"] = max(0.0, wall_seconds - sum(stages.values()))
         self.record_stage_seconds(stages, int(stats.mode is RoundMode.SKIP))
         self.record_preemptions(stats.preemptions)
+        self.prompt_tokens_read.inc(stats.prompt_tokens)
+        self.prompt_tokens_forked.inc(stats.forked_tokens)
         self.record_round(generated, stats.batch_tokens,
                           stats.seconds.verify if stats.verified else None, stats.capacity,
                           running, waiting, cohort=cohort)

@@ -64,6 +64,18 @@ def _joined(pieces: list[_ContextPiece]) -> _ContextPiece:
                          None if any(t is None for t in tokens) else torch.cat(tokens))
 
 
+def _before(piece: _ContextPiece, num_positions: int) -> _ContextPiece | None:
+    """The piece's tokens at positions < num_positions (the piece itself when all are; None
+    when none is)."""
+    keep = piece.positions < num_positions  # [n]
+    if bool(keep.all()):
+        return piece
+    if not bool(keep.any()):
+        return None
+    return _ContextPiece(piece.features[keep], piece.positions[keep],
+                         None if piece.token_ids is None else piece.token_ids[keep])
+
+
 # How long one reconnection attempt may hold up a round while the drafter is down.
 RECONNECT_TIMEOUT_SECONDS = 0.5
 
@@ -142,6 +154,23 @@ class RemoteDrafter:
             self._stream.send(pb.drafter.DraftRound(round_id=self._next_round(), release=[rid]))
         else:
             self._releases.append(rid)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_positions: int) -> None:
+        """The child's context: the parent's pieces before num_positions (kept here for a
+        resync). Sent at once, after the parent's unsent context, so the drafter copies the
+        whole of it; while the drafter is away the child's pieces wait to be resent."""
+        rid, cid = str(parent_id), str(child_id)
+        parent = self._contexts.get(rid, _RequestContext())
+        child = _RequestContext([p for p in (_before(piece, num_positions)
+                                             for piece in parent.pieces) if p is not None])
+        self._contexts[cid] = child
+        if self._stream is None:
+            child.unsent, child.reset = len(child.pieces), True
+            return
+        self._stream.send(pb.drafter.DraftRound(
+            round_id=self._next_round(), context=self._pending_updates([rid]),
+            forks=[pb.drafter.ContextFork(parent_id=rid, child_id=cid,
+                                          num_positions=int(num_positions))]))
 
     def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
               num_positions: int | None = None) -> list[DraftBlock]:

@@ -228,6 +228,19 @@ class RemoteVerifier:
             taken.append([] if features is None else [FeaturePiece(features, positions, tokens)])
         return taken
 
+    def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: Sequence[int],
+             sampling: SamplingParams, generator: CounterGenerator | None = None) -> None:
+        """TargetVerifier.fork over the wire (`generator`: the child's, whose seed the verifier
+        keys it by); a verifier that lost the parent rebuilds it first."""
+        rid, cid = str(parent_id), str(child_id)
+        sampling = seeded(sampling, generator)
+        request = pb.verifier.ForkRequest(parent_id=rid, child_id=cid, token_ids=list(token_ids),
+                                          sampling=messages.sampling_to_pb(sampling))
+        reply = self._call(self._stub.Fork, request, restore_ids=[rid])
+        self.kv_cache_usage = reply.kv_cache_usage
+        self._history[cid] = _History(list(token_ids), sampling)
+        self._held_from.pop(cid, None)
+
     def release(self, request_id: Hashable) -> None:
         rid = str(request_id)
         self._history.pop(rid, None)

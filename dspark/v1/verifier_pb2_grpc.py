@@ -55,6 +55,11 @@ class VerifierStub:
                 request_serializer=dspark_dot_v1_dot_verifier__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=dspark_dot_v1_dot_verifier__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/dspark.v1.Verifier/Fork',
+                request_serializer=dspark_dot_v1_dot_verifier__pb2.ForkRequest.SerializeToString,
+                response_deserializer=dspark_dot_v1_dot_verifier__pb2.ForkReply.FromString,
+                _registered_method=True)
         self.TakeFeatures = channel.unary_unary(
                 '/dspark.v1.Verifier/TakeFeatures',
                 request_serializer=dspark_dot_v1_dot_verifier__pb2.TakeFeaturesRequest.SerializeToString,
@@ -98,6 +103,16 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """A new request that starts from another's prompt (the n samples of one prompt read it once,
+        dspark/forks.py): its KV cache a copy of the parent's first tokens, its logits processing
+        having read them; its next prefill chunk continues from there (PrefillItem.continued).
+        RESOURCE_EXHAUSTED (nothing changed) when the copy does not fit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def TakeFeatures(self, request, context):
         """The features this process held for the named requests (items sent with hold_features),
         in order, forgotten here once returned: the drafter's context that was not needed earlier.
@@ -135,6 +150,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=dspark_dot_v1_dot_verifier__pb2.ReleaseRequest.FromString,
                     response_serializer=dspark_dot_v1_dot_verifier__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=dspark_dot_v1_dot_verifier__pb2.ForkRequest.FromString,
+                    response_serializer=dspark_dot_v1_dot_verifier__pb2.ForkReply.SerializeToString,
             ),
             'TakeFeatures': grpc.unary_unary_rpc_method_handler(
                     servicer.TakeFeatures,
@@ -255,6 +275,33 @@ class Verifier:
             '/dspark.v1.Verifier/Release',
             dspark_dot_v1_dot_verifier__pb2.ReleaseRequest.SerializeToString,
             dspark_dot_v1_dot_verifier__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dspark.v1.Verifier/Fork',
+            dspark_dot_v1_dot_verifier__pb2.ForkRequest.SerializeToString,
+            dspark_dot_v1_dot_verifier__pb2.ForkReply.FromString,
             options,
             channel_credentials,
             insecure,

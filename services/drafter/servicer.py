@@ -2,7 +2,8 @@
 `dspark.v1.Drafter` bidirectional stream.
 
 Per DraftRound: releases, then context updates (a `reset` first drops what is held: the
-scheduler's resync after this process restarted), then one batched `draft` call; the blocks are
+scheduler's resync after this process restarted), then forks (a child's context a copy of its
+parent's prompt, dspark/forks.py), then one batched `draft` call; the blocks are
 streamed back one message per request. A request's drafts are keyed by its seed here as in the
 embedded engine (dspark.random_draws; the DRAFT purpose keeps them apart from the verifier's
 numbers); the scheduler sends every request's seed, its own fresh one for an unseeded request, so
@@ -72,6 +73,13 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
         for update in round_msg.context:
             self._apply_context(update)
             self._idle.touch(update.request_id)
+        for fork in round_msg.forks:
+            if not fork.child_id or fork.child_id == fork.parent_id or fork.num_positions < 1:
+                raise ValueError(f"fork of {fork.parent_id!r} into {fork.child_id!r} at "
+                                 f"{fork.num_positions}: needs another child and a position > 0")
+            self._release(fork.child_id)
+            self.drafter.fork(fork.parent_id, fork.child_id, int(fork.num_positions))
+            self._idle.touch(fork.child_id)
         requests = []
         for item in round_msg.requests:
             self._idle.touch(item.request_id)

@@ -435,8 +435,11 @@ class Gateway:
         """128 random bits: unguessable, and unique across replicas without coordination."""
         return f"{kind}-{secrets.token_hex(16)}"
 
-    def start(self, spec: GenerationSpec, request_id: str, owner: str = "") -> GenerationStream:
-        """`owner`: the fingerprint of the caller's API key ('' with authentication off)."""
+    def start(self, spec: GenerationSpec, request_id: str, owner: str = "",
+              fork_of: str | None = None) -> GenerationStream:
+        """`owner`: the fingerprint of the caller's API key ('' with authentication off).
+        `fork_of`: the request id of another sample of the same prompt, started before: this
+        one copies its prompt's caches instead of reading the prompt (dspark/forks.py)."""
         sampling = spec.sampling
         stop_token_ids = [] if spec.ignore_eos else list(self.stop_token_ids)
         stored_sampling = sampling_record(sampling)
@@ -447,7 +450,8 @@ class Gateway:
         with self._submit_lock:
             events = self._submit(Submission(request_id, spec.prompt_ids, sampling,
                                              spec.max_tokens, stop_token_ids, stored,
-                                             logprobs=spec.logprobs, grammar=spec.grammar))
+                                             logprobs=spec.logprobs, grammar=spec.grammar,
+                                             fork_of=fork_of))
         return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs)
 
     def fetch(self, request_id: str, owner: str = "") -> StoredRequest:

@@ -406,7 +406,8 @@ class RestApi:
     def start(self, body: CompletionRequest | ChatCompletionRequest,
               owner: str) -> "Generation":
         """Validate against the model, tokenize and submit every generation the request asks
-        for (each prompt `body.samples` times; sample i of a seeded request with seed + i), on
+        for (each prompt `body.samples` times; sample i of a seeded request with seed + i; the
+        samples after a prompt's first copy its prompt caches, dspark/forks.py), on
         the event loop: a hand-off to a worker thread costs more GIL switches than tokenizing
         one prompt. `owner`: the caller's key fingerprint, which the requests are bound to
         (ApiKeys.owner). Gateway.start also writes each request to the store: with Redis down
@@ -438,8 +439,11 @@ class RestApi:
                  for ids in prompts for i in range(samples)]
         streams: list[GenerationStream] = []
         try:
-            for spec in specs:
-                streams.append(g.start(spec, g.new_request_id(kind), owner))
+            for index, spec in enumerate(specs):
+                # A prompt's first sample reads it; the others fork it (dspark/forks.py).
+                first = index - index % samples
+                fork_of = streams[first].request_id if index > first else None
+                streams.append(g.start(spec, g.new_request_id(kind), owner, fork_of=fork_of))
         except BaseException:
             for stream in streams:
                 stream.cancel()

@@ -278,6 +278,41 @@ class VerifierServicer(rpc.verifier.VerifierServicer):
                     token_ids=tensor_codec.encode(piece.token_ids)))
             return pb.verifier.TakeFeaturesReply(results=results)
 
+    def Fork(self, request, context):
+        with self._span("verifier.fork", context):
+            with self._lock:
+                self._expire_idle_locked()
+                parent, child = request.parent_id, request.child_id
+                if not self.verifier.runner.has_request(parent):
+                    context.abort(grpc.StatusCode.NOT_FOUND,
+                                  f"requests not held by this verifier: {parent}")
+                try:
+                    tokens = self._check_fork(request)
+                    self._release_locked(child)  # a fork replaces whatever was held
+                    params = messages.sampling_from_pb(request.sampling)
+                    self.verifier.fork(parent, child, tokens, params)
+                except HANDLED as e:
+                    self._abort_on(context, e)
+                self._generators[child] = params.generator()
+                for rid in (parent, child):
+                    self._idle.touch(rid)
+                usage = self.verifier.kv_cache_usage
+            return pb.verifier.ForkReply(kv_cache_usage=usage)
+
+    def _check_fork(self, request) -> list[int]:
+        """The fork's tokens: a child id other than the parent's, 1..the parent's length
+        tokens in the vocabulary (ValueError otherwise)."""
+        tokens = list(request.token_ids)
+        held = self.verifier.runner.length(request.parent_id)
+        if not request.child_id or request.child_id == request.parent_id:
+            raise ValueError("fork needs a child_id other than its parent_id")
+        if not 0 < len(tokens) <= held:
+            raise ValueError(f"{request.child_id}: fork of {len(tokens)} tokens from "
+                             f"{request.parent_id}, which holds {held}")
+        if min(tokens) < 0 or max(tokens) >= self.verifier.vocab_size:
+            raise ValueError(f"{request.child_id}: fork token outside the vocabulary")
+        return tokens
+
     def Release(self, request, context):
         with self._lock:
             for rid in request.request_ids:

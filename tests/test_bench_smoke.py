@@ -39,6 +39,8 @@ EXEMPT = {
     "seeded_tau.py": "tau of seeded against unseeded requests on the real model and the shipped "
                      "drafter; tests/test_seeded_repeats.py tests the seeded path on the tiny "
                      "target",
+    "fork_prefill.py": "n samples of a 500-token prompt on the real target and the shipped drafter; "
+                       "tests/test_forks.py tests forks on the tiny target",
     "grammar_mask.py": "a JSON grammar needs a tokenizer that can spell JSON (the real target's); "
                        "tests/test_structured_output.py tests the masks",
     "q4_kernel_versions.py": "builds two versions of the block kernel and times them on the real "

@@ -53,9 +53,10 @@ class Request:
     before the anchor) and samples nothing; it runs again from its anchor."""
     grammar: GrammarSpec | None = None
     """Structured output: every token is sampled under this grammar (dspark.structured_output)."""
-    grammar_prefix: tuple[int, ...] = ()
-    """The end of the prompt that the grammar has read already (a resumed request's earlier
-    output, given back as prompt)."""
+    earlier_output: tuple[int, ...] = ()
+    """The end of the prompt that is output already (a resumed request's earlier output, given
+    back as prompt): the grammar has read it, and min_tokens and the frequency and presence
+    penalties count it as output, as if the request had never stopped."""
     grammar_held: bool = False
     """The verifier holds the request's grammar state (false until its first token, and again
     after the verifier released it)."""
@@ -65,6 +66,16 @@ class Request:
         """Sampled with a seed: its rounds must depend on its own prefix and seed only
         (dspark.seeded_admission). A greedy request repeats whatever its rounds, seed or not."""
         return self.generator.seeded and self.sampling.temperature > 0
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens so far, a resumed request's earlier output included."""
+        return len(self.earlier_output) + len(self.output_ids)
+
+    @property
+    def prompt_length(self) -> int:
+        """The length of the prompt proper: prompt_ids without the earlier output."""
+        return len(self.prompt_ids) - len(self.earlier_output)
 
     @property
     def anchor_position(self) -> int:
@@ -78,7 +89,7 @@ class Request:
             return None
         return GrammarRequest(self.grammar, tuple(sorted(self.stop_token_ids)),
                               None if self.grammar_held
-                              else self.grammar_prefix + tuple(self.output_ids))
+                              else self.earlier_output + tuple(self.output_ids))
 
     @property
     def tokens_to_read(self) -> list[int]:

@@ -11,6 +11,8 @@ under speculation (chi-square against the enumerated distribution).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -248,3 +250,41 @@ def test_sampled_processed_request_has_the_processed_distribution(tiny_target, r
     exp = torch.cat([exp_counts[big], exp_counts[~big].sum(0, keepdim=True)])
     exp = exp / exp.sum() * obs.sum()
     assert float(chisquare(obs.numpy(), exp.numpy()).pvalue) > 1e-3
+
+
+@pytest.mark.parametrize("policy", ["none", f"fixed:{GAMMA}"])
+@pytest.mark.parametrize("kv_cache_tokens", [8192, 64])
+def test_a_resumed_request_counts_its_earlier_output(varied_target, policy, kv_cache_tokens):
+    """A request resumed after 5 tokens (its earlier output given back as the end of the
+    prompt, `earlier_output`) continues exactly as if it had never stopped: frequency and
+    presence penalties and min_tokens count the earlier output as output, repetition counts it
+    either way. With a 64-token cache the resumed requests are preempted on top. Read as
+    prompt (min_tokens reduced by 5), some output differs: the test sees the difference."""
+    folder, model = varied_target
+    params = SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=0.7,
+                            min_tokens=8)
+    first = 5
+    wholes, stops = [], []
+    for p in PROMPTS:
+        stop = tuple(reference_greedy(model, p, SamplingParams(temperature=0), 1))
+        held = dataclasses.replace(params, stop_token_ids=stop)
+        wholes.append(reference_greedy(model, p, held, 16, stop))
+        stops.append(stop)
+        assert len(wholes[-1]) > first
+
+    def resumed(counted: bool) -> list[list[int]]:
+        engine = make_engine(folder, policy, kv_cache_tokens=kv_cache_tokens)
+        ids = [engine.add_request(
+            p + w[:first], params if counted else dataclasses.replace(params, min_tokens=3),
+            16 - first, s, earlier_output=w[:first] if counted else ())
+            for p, w, s in zip(PROMPTS, wholes, stops)]
+        outputs: dict = {i: [] for i in ids}
+        for out in engine.stream():
+            outputs[out.request_id] += out.new_token_ids
+        if kv_cache_tokens == 64:
+            assert engine.stats.preemptions > 0
+        return [outputs[i] for i in ids]
+
+    expected = [w[first:] for w in wholes]
+    assert resumed(True) == expected
+    assert resumed(False) != expected

@@ -476,14 +476,14 @@ class Gateway:
                 done.put(StreamEvent([], True, record.finish_reason or "length"))
                 return GenerationStream(self, request_id, record.prompt_ids, record.output_ids,
                                         done)
-            sampling = sampling_from_record(record.sampling, len(record.output_ids))
+            sampling = sampling_from_record(record.sampling)
             record.status, record.finish_reason = RequestStatus.RUNNING, ""
             grammar = (GrammarSpec.from_json(record.sampling["grammar"])
                        if record.sampling.get("grammar") else None)
             events = self._submit(Submission(request_id, record.prompt_ids + record.output_ids,
                                              sampling, remaining, record.stop_token_ids, record,
                                              grammar=grammar,
-                                             grammar_prefix=list(record.output_ids)))
+                                             earlier_output=list(record.output_ids)))
         return GenerationStream(self, request_id, record.prompt_ids, record.output_ids, events)
 
     def _submit(self, submission: Submission) -> queue.Queue:
@@ -539,17 +539,17 @@ def sampling_record(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def sampling_from_record(record: dict[str, Any], produced: int = 0) -> SamplingParams:
-    """The SamplingParams of a stored request that has `produced` output tokens already: a
-    resume asks only the min_tokens still missing. (A resume reads its earlier output as
-    prompt, so frequency and presence penalties count only what it produces from there.)"""
+def sampling_from_record(record: dict[str, Any]) -> SamplingParams:
+    """The SamplingParams of a stored request. A resume gives its earlier output back as the
+    end of the prompt (Submission.earlier_output): min_tokens and the frequency and presence
+    penalties count it as output, so the stored values stand as they are."""
     processing = {name: record[name] for name in ("min_p", "presence_penalty",
                                                   "frequency_penalty", "repetition_penalty")
                   if name in record}
     return SamplingParams(record["temperature"], record["top_k"], record["top_p"],
                           record.get("seed"), **processing,
                           logit_bias={int(t): b for t, b in record.get("logit_bias", {}).items()},
-                          min_tokens=max(0, record.get("min_tokens", 0) - produced))
+                          min_tokens=record.get("min_tokens", 0))
 
 
 def check_stop_strings(strings: list[str]) -> list[str]:

@@ -401,9 +401,15 @@ class Engine:
         kind = self.config.admission.policy.kind
         num_positions = (gamma if gate_bypassed(kind, seeded)
                          else self.policy.positions_to_draft(gamma))
+        # A verifier in this process (the embedded engine) holds the requests' grammar states
+        # at their committed output: the drafter masks its drafts with them. A remote one does
+        # not, and the drafts go unmasked (still exact).
+        grammars = getattr(self.verifier, "grammar_states", {})
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
-                          r.generator) for r in drafted],
+                          r.generator, r.num_output,
+                          grammars.get(r.request_id) if r.grammar is not None else None)
+             for r in drafted],
             sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
         # Confidences [S, num_positions] for the admission and the draft tokens for the target's
         # forward, on the host in the round's one copy before verification.

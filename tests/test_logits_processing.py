@@ -216,17 +216,36 @@ def exact_processed_triples(model, prompt: list[int], params: SamplingParams) ->
     return ((p1[:, None] * p2).reshape(-1, 1) * p3).reshape(-1)
 
 
-@pytest.mark.parametrize("rule", [VerificationRule.TOKEN, VerificationRule.BLOCK])
-def test_sampled_processed_request_has_the_processed_distribution(tiny_target, rule):
+SAMPLED_CASES = {
+    "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.8, presence_penalty=0.8,
+                                min_p=0.05),
+}
+
+
+def drafts_processed_params(model, prompt: list[int]) -> SamplingParams:
+    """Processed on the drafts too (dspark.models.draft_processing): min_tokens 2 holds the
+    target's most likely first token back as a stop token, logit_bias bans its second and
+    favours token 5. They change the draft distribution q, which must stay the one the drafts
+    are drawn from."""
+    with torch.no_grad():
+        top = model(torch.tensor([prompt])).logits[0, -1].topk(2).indices.tolist()
+    return SamplingParams(temperature=1.0, logit_bias={top[1]: -100.0, 5: 2.0}, min_tokens=2,
+                          stop_token_ids=(top[0],))
+
+
+@pytest.mark.parametrize("rule,case", [(VerificationRule.TOKEN, "penalties"),
+                                       (VerificationRule.BLOCK, "penalties"),
+                                       (VerificationRule.TOKEN, "drafts_processed")])
+def test_sampled_processed_request_has_the_processed_distribution(tiny_target, rule, case):
     """Repetition penalty, presence penalty and min_p at T = 1 under speculation (token and
-    block rules): the joint
-    distribution of the three tokens (the second and third verified in one round, the third's
-    row counting the second as a draft) is the processed target's (chi-square). The peaked
-    target: 119 triples hold 83% of the mass, enough for the test's resolution."""
+    block rules), and logit_bias with min_tokens, which the drafts are processed by too: the
+    joint distribution of the three tokens (the second and third verified in one round, the
+    third's row counting the second as a draft) is the processed target's (chi-square). The
+    peaked target: 119 triples hold 83% of the mass, enough for the test's resolution."""
     folder, model = tiny_target
     prompt = [3, 9, 27]
-    params = SamplingParams(temperature=1.0, repetition_penalty=1.8, presence_penalty=0.8,
-                            min_p=0.05)
+    params = (drafts_processed_params(model, prompt) if case == "drafts_processed"
+              else SAMPLED_CASES[case])
     expected = exact_processed_triples(model, prompt, params)
     plain = exact_processed_triples(model, prompt, SamplingParams(temperature=1.0))
     assert (expected - plain).abs().sum() > 0.2  # the parameters move the distribution

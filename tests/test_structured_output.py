@@ -188,6 +188,40 @@ def test_greedy_schema_outputs_are_the_constrained_reference(json_target, compil
         assert admitted > accepted > 0  # drafts were verified, some refused by the grammar
 
 
+def test_drafts_follow_the_grammar(json_target, compiler):
+    """The embedded engine hands the drafter each constrained request's grammar state
+    (dspark.models.draft_processing): every drafted token up to a drafted stop token continues
+    the grammar, the state is back at the committed output after each call, and the outputs
+    are still the constrained reference."""
+    folder, model, _ = json_target
+    spec = GrammarSpec.json_schema(SCHEMA)
+    engine = make_engine(folder, "fixed:7")
+    draft, followed = engine.drafter.draft, []
+
+    def checked_draft(requests, **kwargs):
+        blocks = draft(requests, **kwargs)
+        for request, block in zip(requests, blocks):
+            assert request.grammar is not None
+            advanced = 0
+            for token in block.tokens.tolist():
+                if request.grammar.terminated:
+                    break
+                assert request.grammar.try_accept(token)
+                advanced += 1
+            request.grammar.rollback(advanced)
+            followed.append(advanced)
+        return blocks
+
+    engine.drafter.draft = checked_draft
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, SamplingParams(temperature=0), 64, [EOS], request_id=i,
+                           grammar=spec)
+    outputs, _, admitted, accepted = run(engine)
+    assert followed and admitted > 0
+    for i, prompt in enumerate(PROMPTS):
+        assert outputs[i] == constrained_greedy(model, compiler, prompt, spec, 64), i
+
+
 def test_logit_bias_moves_only_what_the_grammar_allows(json_target, compiler):
     """logit_bias (dspark.logits_processing) and the grammar mask on the same rows: a +100 bias
     on a letter the grammar refuses outside strings changes nothing there, and one on an

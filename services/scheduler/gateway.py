@@ -100,11 +100,15 @@ class GenerationStream:
     """Iterates a request's Chunks; `cancel()` (client gone) aborts it and frees its caches."""
 
     def __init__(self, gateway: "Gateway", request_id: str, prompt_ids: list[int],
-                 already: list[int], events: queue.Queue, logprobs: int | None = None) -> None:
+                 already: list[int], events: queue.Queue, logprobs: int | None = None,
+                 min_tokens: int = 0) -> None:
         self.gateway = gateway
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.logprobs = logprobs
+        self.min_tokens = min_tokens
+        """The request's min_tokens: no stop string ends within its first tokens' text."""
+        self._protected: int | None = None
         """The request's top count when it asked for log-probabilities (GenerationSpec), else None."""
         self._events = events
         self._text = IncrementalDetokenizer(gateway.decode, already)
@@ -147,6 +151,18 @@ class GenerationStream:
             self._first_output, self._last_output = False, now
         if event.finished:
             metrics.record_request_latency(now - self._started)
+
+    def stop_protected_chars(self) -> int | None:
+        """The characters of this stream's text in which no stop string may end (StopStrings'
+        `protected`): those of the first min_tokens output tokens once more tokens came, None
+        while the output holds no more than min_tokens (vLLM's rule)."""
+        if not self.min_tokens:
+            return 0
+        if len(self.output_ids) <= self.min_tokens:
+            return None
+        if self._protected is None:  # decoded once, when the output first passes min_tokens
+            self._protected = len(self.gateway.decode(self.output_ids[:self.min_tokens]))
+        return self._protected
 
     def tokens_for_text(self, last_token_ids: list[int], chars: int) -> int:
         """How many of `last_token_ids` (the tokens of the last chunk read) it takes for their
@@ -448,7 +464,8 @@ class Gateway:
             events = self._submit(Submission(request_id, spec.prompt_ids, sampling,
                                              spec.max_tokens, stop_token_ids, stored,
                                              logprobs=spec.logprobs, grammar=spec.grammar))
-        return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs)
+        return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs,
+                                sampling.min_tokens)
 
     def fetch(self, request_id: str, owner: str = "") -> StoredRequest:
         """The caller's stored request. Another key's request is answered as an unknown one, and

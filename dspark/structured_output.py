@@ -20,7 +20,10 @@ and top-p applied after the mask as vLLM applies its grammar bitmask; every veri
 reads the target only through those logits. A draft the grammar refuses has p'(x) = 0 at its
 row, so it is rejected, and the rows after it are never used (token rule: the first rejection
 ends the block; block rule: its weight and every later one are 0); they keep the unmasked
-logits. Rejection sampling is exact for any draft distribution, so the drafts need no mask.
+logits. Rejection sampling is exact for any draft distribution, so the drafts need no mask for
+exactness; the embedded engine masks them too (dspark.models.draft_processing: each position
+with this state's `allowed_tokens`, following the drafts by `try_accept` and `rollback`), so
+that fewer are rejected.
 """
 
 from __future__ import annotations

@@ -99,6 +99,24 @@ def test_row_masks_are_the_matchers_after_each_draft(compiler, json_target):
     assert torch.equal(state.row_masks([]), before)  # rolled back
 
 
+def test_the_drafters_cursor_follows_the_row_masks(compiler, json_target):
+    """allowed_tokens / try_accept / rollback (what the drafter masks its drafts with) give
+    row_masks' rows along the drafts, refuse the draft the grammar refuses, and roll back."""
+    tokenizer = json_target[2]
+    state = compiler.start(GrammarSpec.json_schema(SCHEMA), [EOS])
+    state.observe(tokenizer('{"ok": tr')["input_ids"])
+    drafts = tokenizer('ue, "n": 7x')["input_ids"]  # "x" is refused where a comma must come
+    masks = state.row_masks(drafts)
+    for j, token in enumerate(drafts[:-1]):
+        assert torch.equal(state.allowed_tokens(), masks[j]), j
+        assert state.try_accept(token)
+    assert torch.equal(state.allowed_tokens(), masks[len(drafts) - 1])
+    assert not state.try_accept(drafts[-1])
+    state.rollback(len(drafts) - 1)
+    assert torch.equal(state.allowed_tokens(), masks[0])
+    assert torch.equal(state.row_masks(drafts), masks)
+
+
 def test_stop_and_special_tokens(compiler, json_target):
     tokenizer = json_target[2]
     state = compiler.start(GrammarSpec.json_schema({"type": "string"}), [EOS])

@@ -170,7 +170,8 @@ class Batcher:
                                             r.sampling, r.generator, continued=r.prefilled > 0,
                                             logprobs=r.logprobs,
                                             grammar=r.grammar_request() if final else None,
-                                            prompt_length=(len(r.prompt_ids) if r.recomputing
+                                            prompt_length=(r.prompt_length
+                                                           if r.recomputing or r.earlier_output
                                                            else None))))
             budget -= end - r.prefilled
         return planned

@@ -155,15 +155,16 @@ class Engine:
                     max_tokens: int = 128, stop_token_ids: Sequence[int] = (),
                     request_id: Hashable | None = None, logprobs: int | None = None,
                     grammar: GrammarSpec | None = None,
-                    grammar_prefix: Sequence[int] = (),
+                    earlier_output: Sequence[int] = (),
                     fork_of: Hashable | None = None) -> Hashable:
         """`logprobs`: report the target's log-probabilities of the output tokens with this
         many top alternatives (0..dspark.logprobs.MAX_TOP_LOGPROBS); None = none. A sampling
         with min_tokens holds `stop_token_ids` back until then (SamplingParams.stop_token_ids).
         `grammar`: structured output (dspark.structured_output), which needs a stop token to end
         on (and no min_tokens, which could hold it back where the grammar allows nothing else);
-        `grammar_prefix`: the prompt's last tokens that are output under it already (a resumed
-        request's).
+        `earlier_output`: the prompt's last tokens that are output already (a resumed request's:
+        the grammar, min_tokens and the penalties count them as output; max_tokens counts only
+        what comes after).
         `fork_of`: another sample of the prompt of this request (added before, the same
         prompt): this one copies its prompt's KV cache when it joins instead of reading the
         prompt (dspark/forks.py); its tokens are what it would give alone."""
@@ -179,9 +180,11 @@ class Engine:
         if grammar is not None and sampling.min_tokens:
             raise ValueError("a request with a grammar cannot have min_tokens: a complete "
                              "output allows only its stop tokens")
-        if sampling.min_tokens > max_tokens:
+        if len(earlier_output) >= len(prompt_ids):
+            raise ValueError("earlier_output must be the end of a longer prompt")
+        if sampling.min_tokens > len(earlier_output) + max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens, got {sampling.min_tokens} > "
-                             f"{max_tokens}")
+                             f"{len(earlier_output) + max_tokens}")
         if sampling.min_tokens:  # the tokens it holds back: this request's stop tokens
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(
                 set(sampling.stop_token_ids) | set(stop_token_ids)))
@@ -189,7 +192,7 @@ class Engine:
         generator = request_generator(sampling, getattr(self.verifier, "rule", None))
         self.batcher.add(Request(rid, list(prompt_ids), sampling, max_tokens,
                                  frozenset(stop_token_ids), generator, logprobs=logprobs,
-                                 grammar=grammar, grammar_prefix=tuple(grammar_prefix),
+                                 grammar=grammar, earlier_output=tuple(earlier_output),
                                  fork_of=fork_of))
         return rid
 
@@ -332,9 +335,12 @@ class Engine:
         start = time.perf_counter()
         asked = [r.logprobs for r in joining]
         grammars = [c.grammar for _, c in planned]
+        lengths = [c.prompt_length for _, c in planned]  # a resumed request's prompt proper
         out = self.verifier.prefill([r.request_id for r in joining], [r.prompt_ids for r in joining],
                                     [r.sampling for r in joining], [r.generator for r in joining],
                                     asked if any(k is not None for k in asked) else None,
+                                    prompt_lengths=(lengths if any(n is not None for n in lengths)
+                                                    else None),
                                     grammars=grammars if any(g is not None for g in grammars)
                                     else None)
         self._step.seconds.prefill += time.perf_counter() - start
@@ -419,9 +425,15 @@ class Engine:
         kind = self.config.admission.policy.kind
         num_positions = (gamma if gate_bypassed(kind, seeded)
                          else self.policy.positions_to_draft(gamma))
+        # A verifier in this process (the embedded engine) holds the requests' grammar states
+        # at their committed output: the drafter masks its drafts with them. A remote one does
+        # not, and the drafts go unmasked (still exact).
+        grammars = getattr(self.verifier, "grammar_states", {})
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
-                          r.generator) for r in drafted],
+                          r.generator, r.num_output,
+                          grammars.get(r.request_id) if r.grammar is not None else None)
+             for r in drafted],
             sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
         # Confidences [S, num_positions] for the admission and the draft tokens for the target's
         # forward, on the host in the round's one copy before verification.

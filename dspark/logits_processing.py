@@ -5,8 +5,10 @@ Exactness. Rejection sampling (and the greedy rule) is exact for any draft distr
 as the target distribution p at each verified row is the one the request's parameters define for
 that row's prefix. Verify-row j of request r follows prompt + output + anchor + drafts[:j], so
 its processed logits count those tokens: the penalties count the drafts before row j, and
-min_tokens counts them as output. Drafts are not processed (any q is exact). The prefill's first
-token and target-only decoding (`--policy none`, rows with no drafts) go through the same code.
+min_tokens counts them as output. Any q is exact; the drafts are processed too (logit_bias,
+min_tokens' ban: dspark.models.draft_processing) only so that fewer are rejected. The prefill's
+first token and target-only decoding (`--policy none`, rows with no drafts) go through the same
+code.
 
 Order (vLLM's v1 Sampler; logits in float32):
 1. min_tokens: EOS and the stop tokens (SamplingParams.stop_token_ids) at -inf while the output

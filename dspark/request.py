@@ -53,9 +53,10 @@ class Request:
     before the anchor) and samples nothing; it runs again from its anchor."""
     grammar: GrammarSpec | None = None
     """Structured output: every token is sampled under this grammar (dspark.structured_output)."""
-    grammar_prefix: tuple[int, ...] = ()
-    """The end of the prompt that the grammar has read already (a resumed request's earlier
-    output, given back as prompt)."""
+    earlier_output: tuple[int, ...] = ()
+    """The end of the prompt that is output already (a resumed request's earlier output, given
+    back as prompt): the grammar has read it, and min_tokens and the frequency and presence
+    penalties count it as output, as if the request had never stopped."""
     fork_of: Hashable | None = None
     """The n samples of one prompt (dspark/forks.py): the request with the same prompt whose KV
     cache and drafter context this one copies when it joins, instead of reading its prompt
@@ -71,6 +72,16 @@ class Request:
         return self.generator.seeded and self.sampling.temperature > 0
 
     @property
+    def num_output(self) -> int:
+        """Output tokens so far, a resumed request's earlier output included."""
+        return len(self.earlier_output) + len(self.output_ids)
+
+    @property
+    def prompt_length(self) -> int:
+        """The length of the prompt proper: prompt_ids without the earlier output."""
+        return len(self.prompt_ids) - len(self.earlier_output)
+
+    @property
     def anchor_position(self) -> int:
         """Position of the last produced token (the anchor): the target holds everything before."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
@@ -82,7 +93,7 @@ class Request:
             return None
         return GrammarRequest(self.grammar, tuple(sorted(self.stop_token_ids)),
                               None if self.grammar_held
-                              else self.grammar_prefix + tuple(self.output_ids))
+                              else self.earlier_output + tuple(self.output_ids))
 
     @property
     def tokens_to_read(self) -> list[int]:

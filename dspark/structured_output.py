@@ -20,7 +20,10 @@ and top-p applied after the mask as vLLM applies its grammar bitmask; every veri
 reads the target only through those logits. A draft the grammar refuses has p'(x) = 0 at its
 row, so it is rejected, and the rows after it are never used (token rule: the first rejection
 ends the block; block rule: its weight and every later one are 0); they keep the unmasked
-logits. Rejection sampling is exact for any draft distribution, so the drafts need no mask.
+logits. Rejection sampling is exact for any draft distribution, so the drafts need no mask for
+exactness; the embedded engine masks them too (dspark.models.draft_processing: each position
+with this state's `allowed_tokens`, following the drafts by `try_accept` and `rollback`), so
+that fewer are rejected.
 """
 
 from __future__ import annotations
@@ -221,6 +224,8 @@ class GrammarState:
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [1, words] int32
         self._refused = torch.tensor(sorted(set(refused_ids)), dtype=torch.int64)  # [s]
         self._stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.int64)  # [t]
+        self._bitmask_fresh = False
+        """_bitmask holds the matcher's mask at its current state (set by allowed_tokens)."""
 
     @property
     def terminated(self) -> bool:
@@ -234,6 +239,7 @@ class GrammarState:
         for token in committed:
             if self.matcher.is_terminated():
                 return
+            self._bitmask_fresh = False
             if not self.matcher.accept_token(int(token)):
                 raise RuntimeError(f"token {int(token)} was committed but the grammar refuses it")
 
@@ -270,10 +276,38 @@ class GrammarState:
             allowed[:num_filled][dead.nonzero().squeeze(1).unsqueeze(1), self._stops] = True
         return allowed
 
+    def allowed_tokens(self) -> torch.Tensor:
+        """The tokens allowed next, after the committed output and any drafts accepted by
+        `try_accept` since: [V] bool, as one row of `row_masks` (a dead end allows the stops)."""
+        self.matcher.fill_next_token_bitmask(self._bitmask, 0)
+        self._bitmask_fresh = True
+        allowed = unpack_bitmask(self._bitmask, self.vocab_size)[0]  # [V]
+        allowed[self._refused] = False
+        if not bool(allowed.any()):
+            allowed[self._stops] = True
+        return allowed
+
+    def try_accept(self, token: int) -> bool:
+        """Advance through one drafted token if the grammar allows it (undone by `rollback`):
+        the drafter follows its own drafts with the matcher. False (not advanced) otherwise."""
+        if self.matcher.is_terminated():
+            return False
+        if not self._bitmask_fresh:  # allowed_tokens filled it at this state already
+            self.matcher.fill_next_token_bitmask(self._bitmask, 0)
+        self._bitmask_fresh = False
+        return _bit(self._bitmask[0], int(token)) and bool(self.matcher.accept_token(int(token)))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` drafts accepted by `try_accept`."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self._bitmask_fresh = False
+
     def can_start(self) -> bool:
         """Some token of the vocabulary continues the output from here, or it may end here (a
         word-level vocabulary without "{" cannot begin any JSON)."""
         self.matcher.fill_next_token_bitmask(self._bitmask, 0)
+        self._bitmask_fresh = True
         allowed = unpack_bitmask(self._bitmask, self.vocab_size)[0]  # [V]
         allowed[self._refused] = False
         return bool(allowed.any())

@@ -11,6 +11,8 @@ under speculation (chi-square against the enumerated distribution).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -214,17 +216,36 @@ def exact_processed_triples(model, prompt: list[int], params: SamplingParams) ->
     return ((p1[:, None] * p2).reshape(-1, 1) * p3).reshape(-1)
 
 
-@pytest.mark.parametrize("rule", [VerificationRule.TOKEN, VerificationRule.BLOCK])
-def test_sampled_processed_request_has_the_processed_distribution(tiny_target, rule):
+SAMPLED_CASES = {
+    "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.8, presence_penalty=0.8,
+                                min_p=0.05),
+}
+
+
+def drafts_processed_params(model, prompt: list[int]) -> SamplingParams:
+    """Processed on the drafts too (dspark.models.draft_processing): min_tokens 2 holds the
+    target's most likely first token back as a stop token, logit_bias bans its second and
+    favours token 5. They change the draft distribution q, which must stay the one the drafts
+    are drawn from."""
+    with torch.no_grad():
+        top = model(torch.tensor([prompt])).logits[0, -1].topk(2).indices.tolist()
+    return SamplingParams(temperature=1.0, logit_bias={top[1]: -100.0, 5: 2.0}, min_tokens=2,
+                          stop_token_ids=(top[0],))
+
+
+@pytest.mark.parametrize("rule,case", [(VerificationRule.TOKEN, "penalties"),
+                                       (VerificationRule.BLOCK, "penalties"),
+                                       (VerificationRule.TOKEN, "drafts_processed")])
+def test_sampled_processed_request_has_the_processed_distribution(tiny_target, rule, case):
     """Repetition penalty, presence penalty and min_p at T = 1 under speculation (token and
-    block rules): the joint
-    distribution of the three tokens (the second and third verified in one round, the third's
-    row counting the second as a draft) is the processed target's (chi-square). The peaked
-    target: 119 triples hold 83% of the mass, enough for the test's resolution."""
+    block rules), and logit_bias with min_tokens, which the drafts are processed by too: the
+    joint distribution of the three tokens (the second and third verified in one round, the
+    third's row counting the second as a draft) is the processed target's (chi-square). The
+    peaked target: 119 triples hold 83% of the mass, enough for the test's resolution."""
     folder, model = tiny_target
     prompt = [3, 9, 27]
-    params = SamplingParams(temperature=1.0, repetition_penalty=1.8, presence_penalty=0.8,
-                            min_p=0.05)
+    params = (drafts_processed_params(model, prompt) if case == "drafts_processed"
+              else SAMPLED_CASES[case])
     expected = exact_processed_triples(model, prompt, params)
     plain = exact_processed_triples(model, prompt, SamplingParams(temperature=1.0))
     assert (expected - plain).abs().sum() > 0.2  # the parameters move the distribution
@@ -248,3 +269,41 @@ def test_sampled_processed_request_has_the_processed_distribution(tiny_target, r
     exp = torch.cat([exp_counts[big], exp_counts[~big].sum(0, keepdim=True)])
     exp = exp / exp.sum() * obs.sum()
     assert float(chisquare(obs.numpy(), exp.numpy()).pvalue) > 1e-3
+
+
+@pytest.mark.parametrize("policy", ["none", f"fixed:{GAMMA}"])
+@pytest.mark.parametrize("kv_cache_tokens", [8192, 64])
+def test_a_resumed_request_counts_its_earlier_output(varied_target, policy, kv_cache_tokens):
+    """A request resumed after 5 tokens (its earlier output given back as the end of the
+    prompt, `earlier_output`) continues exactly as if it had never stopped: frequency and
+    presence penalties and min_tokens count the earlier output as output, repetition counts it
+    either way. With a 64-token cache the resumed requests are preempted on top. Read as
+    prompt (min_tokens reduced by 5), some output differs: the test sees the difference."""
+    folder, model = varied_target
+    params = SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=0.7,
+                            min_tokens=8)
+    first = 5
+    wholes, stops = [], []
+    for p in PROMPTS:
+        stop = tuple(reference_greedy(model, p, SamplingParams(temperature=0), 1))
+        held = dataclasses.replace(params, stop_token_ids=stop)
+        wholes.append(reference_greedy(model, p, held, 16, stop))
+        stops.append(stop)
+        assert len(wholes[-1]) > first
+
+    def resumed(counted: bool) -> list[list[int]]:
+        engine = make_engine(folder, policy, kv_cache_tokens=kv_cache_tokens)
+        ids = [engine.add_request(
+            p + w[:first], params if counted else dataclasses.replace(params, min_tokens=3),
+            16 - first, s, earlier_output=w[:first] if counted else ())
+            for p, w, s in zip(PROMPTS, wholes, stops)]
+        outputs: dict = {i: [] for i in ids}
+        for out in engine.stream():
+            outputs[out.request_id] += out.new_token_ids
+        if kv_cache_tokens == 64:
+            assert engine.stats.preemptions > 0
+        return [outputs[i] for i in ids]
+
+    expected = [w[first:] for w in wholes]
+    assert resumed(True) == expected
+    assert resumed(False) != expected

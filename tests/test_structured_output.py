@@ -99,6 +99,24 @@ def test_row_masks_are_the_matchers_after_each_draft(compiler, json_target):
     assert torch.equal(state.row_masks([]), before)  # rolled back
 
 
+def test_the_drafters_cursor_follows_the_row_masks(compiler, json_target):
+    """allowed_tokens / try_accept / rollback (what the drafter masks its drafts with) give
+    row_masks' rows along the drafts, refuse the draft the grammar refuses, and roll back."""
+    tokenizer = json_target[2]
+    state = compiler.start(GrammarSpec.json_schema(SCHEMA), [EOS])
+    state.observe(tokenizer('{"ok": tr')["input_ids"])
+    drafts = tokenizer('ue, "n": 7x')["input_ids"]  # "x" is refused where a comma must come
+    masks = state.row_masks(drafts)
+    for j, token in enumerate(drafts[:-1]):
+        assert torch.equal(state.allowed_tokens(), masks[j]), j
+        assert state.try_accept(token)
+    assert torch.equal(state.allowed_tokens(), masks[len(drafts) - 1])
+    assert not state.try_accept(drafts[-1])
+    state.rollback(len(drafts) - 1)
+    assert torch.equal(state.allowed_tokens(), masks[0])
+    assert torch.equal(state.row_masks(drafts), masks)
+
+
 def test_stop_and_special_tokens(compiler, json_target):
     tokenizer = json_target[2]
     state = compiler.start(GrammarSpec.json_schema({"type": "string"}), [EOS])
@@ -186,6 +204,40 @@ def test_greedy_schema_outputs_are_the_constrained_reference(json_target, compil
         check_schema(json.loads(tokenizer.decode(outputs[i][:-1])))
     if policy == "fixed:7":
         assert admitted > accepted > 0  # drafts were verified, some refused by the grammar
+
+
+def test_drafts_follow_the_grammar(json_target, compiler):
+    """The embedded engine hands the drafter each constrained request's grammar state
+    (dspark.models.draft_processing): every drafted token up to a drafted stop token continues
+    the grammar, the state is back at the committed output after each call, and the outputs
+    are still the constrained reference."""
+    folder, model, _ = json_target
+    spec = GrammarSpec.json_schema(SCHEMA)
+    engine = make_engine(folder, "fixed:7")
+    draft, followed = engine.drafter.draft, []
+
+    def checked_draft(requests, **kwargs):
+        blocks = draft(requests, **kwargs)
+        for request, block in zip(requests, blocks):
+            assert request.grammar is not None
+            advanced = 0
+            for token in block.tokens.tolist():
+                if request.grammar.terminated:
+                    break
+                assert request.grammar.try_accept(token)
+                advanced += 1
+            request.grammar.rollback(advanced)
+            followed.append(advanced)
+        return blocks
+
+    engine.drafter.draft = checked_draft
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, SamplingParams(temperature=0), 64, [EOS], request_id=i,
+                           grammar=spec)
+    outputs, _, admitted, accepted = run(engine)
+    assert followed and admitted > 0
+    for i, prompt in enumerate(PROMPTS):
+        assert outputs[i] == constrained_greedy(model, compiler, prompt, spec, 64), i
 
 
 def test_logit_bias_moves_only_what_the_grammar_allows(json_target, compiler):

@@ -20,12 +20,15 @@ loading a drafter's modules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Protocol, Sequence
+from typing import TYPE_CHECKING, Hashable, Protocol, Sequence
 
 import torch
 
 from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dspark.structured_output import GrammarState
 
 
 @dataclass
@@ -42,6 +45,14 @@ class DraftRequest:
     generator: CounterGenerator | None = None
     """The request's random numbers (dspark.random_draws); None = keyed by sampling.seed, or by
     a fresh seed when that is None too."""
+    num_output: int = 0
+    """Output tokens up to and including the anchor (a resumed request's earlier output
+    counted): min_tokens bans the stop tokens at block position k while num_output + k - 1 <
+    sampling.min_tokens (dspark.models.draft_processing)."""
+    grammar: GrammarState | None = None
+    """Structured output: the request's grammar matcher after its committed output, anchor
+    included; the drafter masks each position with it, follows its drafts and rolls back
+    (dspark.models.draft_processing). None = no grammar, or none this drafter can see."""
 
 
 @dataclass

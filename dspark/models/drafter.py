@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.context_kv_cache import ContextKVCache, RequestContext, gather_padded
+from dspark.models.draft_processing import DraftProcessing
 from dspark.models.draft_sampling import (assemble_blocks, draft_uniforms, plan_rows,
                                           position_noise, sample_block_position)
 from dspark.models.draft_types import (BlockTrainOutputs, DraftBlock, DraftRequest,
@@ -450,6 +451,8 @@ class DSparkDrafter(FrozenTargetHead):
         reduced = cfg.draft_vocab_size is not None
         target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
                       else torch.arange(self.draft_vocab_size, device=device))
+        processing = DraftProcessing.plan(requests, self.target_to_draft if reduced else None,
+                                          target_ids, device)
         rows = self._calibration_rows(requests)
         conf_t = self.confidence_temperatures[0 if rows is None else rows]  # [gamma] or [R, gamma]
         conf_b = self.confidence_biases[0 if rows is None else rows]
@@ -462,11 +465,17 @@ class DSparkDrafter(FrozenTargetHead):
             if self.markov_head is not None:
                 logits_k, state, w1_prev = self.markov_head.add_bias(logits_k, prev, hn[:, k], state)
                 w1_prevs.append(w1_prev)  # [R, r]: W1[x_{k-1}]
+            if processing is not None:  # q is the processed distribution (draft_processing)
+                logits_k = processing.apply(k, logits_k)
             u_k = None if uniforms is None else uniforms[:, k]
             sample = sample_block_position(logits_k, plan, u_k,
                                            position_noise(plan, k + 1, target_ids))
             samples.append(sample)
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
+            if processing is not None:
+                processing.advance(prev)
+        if processing is not None:
+            processing.finish()
         # c_k reads norm(h_k) and W1[x_{k-1}], never x_k: one product for every position, after
         # the loop that drew them, instead of one a position.
         w1_block = torch.stack(w1_prevs, dim=1) if w1_prevs else None  # [R, n, r]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.context_kv_cache import ContextKVCache
+from dspark.models.draft_processing import DraftProcessing
 from dspark.models.draft_sampling import (
     assemble_blocks,
     draft_uniforms,
@@ -299,6 +300,8 @@ class EagleDrafter(FrozenTargetHead):
         reduced = cfg.draft_vocab_size is not None
         target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
                       else torch.arange(self.draft_vocab_size, device=device))
+        processing = DraftProcessing.plan(requests, self.target_to_draft if reduced else None,
+                                          target_ids, device)
         chain_k = chain_v = None
         samples, confidences = [], []
         for s in range(n):
@@ -313,11 +316,17 @@ class EagleDrafter(FrozenTargetHead):
                                                    ctx_mask, chain_k, chain_v))  # [R, 1, h]
             logits = self.base_logits(self.norm(out[:, 0]))  # [R, V_d]
             confidences.append(torch.softmax(logits, dim=-1).max(dim=-1).values)
+            if processing is not None:  # q is the processed distribution (draft_processing)
+                logits = processing.apply(s, logits)
             u_s = None if uniforms is None else uniforms[:, s]
             sample = sample_block_position(logits, plan, u_s,
                                            position_noise(plan, s + 1, target_ids))
             samples.append(sample)
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
+            if processing is not None:
+                processing.advance(prev)
             hidden = out
+        if processing is not None:
+            processing.finish()
         return assemble_blocks(plan, samples, torch.stack(confidences, dim=1),
                                self.draft_to_target if reduced else None)

@@ -51,8 +51,9 @@ class Submission:
     (dspark.logprobs); None = none. They go to the client only, never to the store."""
     grammar: GrammarSpec | None = None
     """Structured output (dspark.structured_output); None = none."""
-    grammar_prefix: list[int] = field(default_factory=list)
-    """The end of the prompt that is output under the grammar already (a resumed request's)."""
+    earlier_output: list[int] = field(default_factory=list)
+    """The end of the prompt that is output already (a resumed request's earlier output): the
+    grammar, min_tokens and the penalties count it as output (Engine.add_request)."""
     fork_of: str | None = None
     """Another sample of the same prompt, submitted before (its request id): this one copies
     its prompt's caches instead of reading the prompt (dspark/forks.py). None: it reads it."""
@@ -198,7 +199,7 @@ class EngineLoop:
             "dspark.max_tokens": s.max_tokens})
         rid = self.engine.add_request(s.prompt_ids, s.sampling, s.max_tokens, s.stop_token_ids,
                                       request_id=s.request_id, logprobs=s.logprobs,
-                                      grammar=s.grammar, grammar_prefix=s.grammar_prefix,
+                                      grammar=s.grammar, earlier_output=s.earlier_output,
                                       fork_of=s.fork_of)
         already = len(s.stored.output_ids) if s.stored is not None else 0
         self._live[s.request_id] = _Live(self.engine.request(rid), events, span, already)

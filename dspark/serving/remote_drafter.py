@@ -201,7 +201,8 @@ class RemoteDrafter:
     def _item(self, r: DraftRequest) -> "pb.drafter.DraftItem":
         return pb.drafter.DraftItem(request_id=str(r.request_id), anchor_token=int(r.anchor_token),
                                     anchor_position=int(r.anchor_position),
-                                    sampling=messages.sampling_to_pb(r.sampling, r.generator))
+                                    sampling=messages.sampling_to_pb(r.sampling, r.generator),
+                                    num_output=int(r.num_output))
 
     def _pending_updates(self, request_ids) -> list:
         """One ContextUpdate per named request with unsent context: its unsent pieces joined."""

@@ -99,25 +99,29 @@ class RemoteVerifier:
                 sampling: Sequence[SamplingParams],
                 generators: Sequence[CounterGenerator | None],
                 logprobs: Sequence[int | None] | None = None,
+                prompt_lengths: Sequence[int | None] | None = None,
                 grammars: Sequence[GrammarRequest | None] | None = None) -> PrefillOutput:
-        """(generators are the scheduler's; the verifier seeds its own from sampling.seed.)"""
+        """(generators are the scheduler's; the verifier seeds its own from sampling.seed.)
+        `prompt_lengths`: as TargetVerifier.prefill's (a resumed request's prompt proper)."""
         ids = [str(r) for r in request_ids]
         logprobs = [None] * len(ids) if logprobs is None else logprobs
         # The seed each request is sent with (its own, else the scheduler's fresh one), kept for
         # a restore, so that the verifier keys the request as the drafter does.
         sampling = [seeded(s, g) for s, g in zip(sampling, generators)]
         grammars = [None] * len(ids) if grammars is None else grammars
+        prompt_lengths = [None] * len(ids) if prompt_lengths is None else prompt_lengths
         request = pb.verifier.PrefillRequest(items=[
             pb.verifier.PrefillItem(request_id=rid, prompt_ids=list(p),
                                     sampling=messages.sampling_to_pb(s), logprobs=k,
-                                    grammar=messages.grammar_to_pb(g))
-            for rid, p, s, k, g in zip(ids, prompts, sampling, logprobs, grammars)])
+                                    prompt_length=n, grammar=messages.grammar_to_pb(g))
+            for rid, p, s, k, g, n in zip(ids, prompts, sampling, logprobs, grammars,
+                                          prompt_lengths)])
         self._remember_grammars(ids, grammars)
         reply = self._call(self._stub.Prefill, request, restore_ids=[])
         self.kv_cache_usage = reply.kv_cache_usage
         first = [int(r.first_token) for r in reply.results]
-        for rid, p, s, t in zip(ids, prompts, sampling, first):
-            self._history[rid] = _History(list(p), s, [t])
+        for rid, p, s, t, n in zip(ids, prompts, sampling, first, prompt_lengths):
+            self._history[rid] = _History(list(p), s, [t], n)
         return PrefillOutput(first, [tensor_codec.decode(r.features) for r in reply.results],
                              _asked_logprobs(reply.results, [1] * len(ids), logprobs))
 

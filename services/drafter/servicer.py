@@ -90,10 +90,13 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
                 self._generators[item.request_id] = request_generator(params, self.rule)
             if not (0 <= item.anchor_token < self.vocab_size) or item.anchor_position < 0:
                 raise ValueError(f"{item.request_id}: anchor token or position out of range")
+            if item.num_output < 0:
+                raise ValueError(f"{item.request_id}: num_output must be >= 0")
             requests.append(DraftRequest(item.request_id, int(item.anchor_token),
                                          int(item.anchor_position),
                                          messages.sampling_from_pb(item.sampling),
-                                         self._generators[item.request_id]))
+                                         self._generators[item.request_id],
+                                         int(item.num_output)))
         if not 0 <= round_msg.sparse_top_k <= self.vocab_size:
             raise ValueError(f"sparse_top_k must be in 0..{self.vocab_size}")
         top_k = round_msg.sparse_top_k or None

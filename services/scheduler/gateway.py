@@ -100,11 +100,15 @@ class GenerationStream:
     """Iterates a request's Chunks; `cancel()` (client gone) aborts it and frees its caches."""
 
     def __init__(self, gateway: "Gateway", request_id: str, prompt_ids: list[int],
-                 already: list[int], events: queue.Queue, logprobs: int | None = None) -> None:
+                 already: list[int], events: queue.Queue, logprobs: int | None = None,
+                 min_tokens: int = 0) -> None:
         self.gateway = gateway
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.logprobs = logprobs
+        self.min_tokens = min_tokens
+        """The request's min_tokens: no stop string ends within its first tokens' text."""
+        self._protected: int | None = None
         """The request's top count when it asked for log-probabilities (GenerationSpec), else None."""
         self._events = events
         self._text = IncrementalDetokenizer(gateway.decode, already)
@@ -147,6 +151,18 @@ class GenerationStream:
             self._first_output, self._last_output = False, now
         if event.finished:
             metrics.record_request_latency(now - self._started)
+
+    def stop_protected_chars(self) -> int | None:
+        """The characters of this stream's text in which no stop string may end (StopStrings'
+        `protected`): those of the first min_tokens output tokens once more tokens came, None
+        while the output holds no more than min_tokens (vLLM's rule)."""
+        if not self.min_tokens:
+            return 0
+        if len(self.output_ids) <= self.min_tokens:
+            return None
+        if self._protected is None:  # decoded once, when the output first passes min_tokens
+            self._protected = len(self.gateway.decode(self.output_ids[:self.min_tokens]))
+        return self._protected
 
     def tokens_for_text(self, last_token_ids: list[int], chars: int) -> int:
         """How many of `last_token_ids` (the tokens of the last chunk read) it takes for their
@@ -452,7 +468,8 @@ class Gateway:
                                              spec.max_tokens, stop_token_ids, stored,
                                              logprobs=spec.logprobs, grammar=spec.grammar,
                                              fork_of=fork_of))
-        return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs)
+        return GenerationStream(self, request_id, spec.prompt_ids, [], events, spec.logprobs,
+                                sampling.min_tokens)
 
     def fetch(self, request_id: str, owner: str = "") -> StoredRequest:
         """The caller's stored request. Another key's request is answered as an unknown one, and
@@ -480,14 +497,14 @@ class Gateway:
                 done.put(StreamEvent([], True, record.finish_reason or "length"))
                 return GenerationStream(self, request_id, record.prompt_ids, record.output_ids,
                                         done)
-            sampling = sampling_from_record(record.sampling, len(record.output_ids))
+            sampling = sampling_from_record(record.sampling)
             record.status, record.finish_reason = RequestStatus.RUNNING, ""
             grammar = (GrammarSpec.from_json(record.sampling["grammar"])
                        if record.sampling.get("grammar") else None)
             events = self._submit(Submission(request_id, record.prompt_ids + record.output_ids,
                                              sampling, remaining, record.stop_token_ids, record,
                                              grammar=grammar,
-                                             grammar_prefix=list(record.output_ids)))
+                                             earlier_output=list(record.output_ids)))
         return GenerationStream(self, request_id, record.prompt_ids, record.output_ids, events)
 
     def _submit(self, submission: Submission) -> queue.Queue:
@@ -543,17 +560,17 @@ def sampling_record(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def sampling_from_record(record: dict[str, Any], produced: int = 0) -> SamplingParams:
-    """The SamplingParams of a stored request that has `produced` output tokens already: a
-    resume asks only the min_tokens still missing. (A resume reads its earlier output as
-    prompt, so frequency and presence penalties count only what it produces from there.)"""
+def sampling_from_record(record: dict[str, Any]) -> SamplingParams:
+    """The SamplingParams of a stored request. A resume gives its earlier output back as the
+    end of the prompt (Submission.earlier_output): min_tokens and the frequency and presence
+    penalties count it as output, so the stored values stand as they are."""
     processing = {name: record[name] for name in ("min_p", "presence_penalty",
                                                   "frequency_penalty", "repetition_penalty")
                   if name in record}
     return SamplingParams(record["temperature"], record["top_k"], record["top_p"],
                           record.get("seed"), **processing,
                           logit_bias={int(t): b for t, b in record.get("logit_bias", {}).items()},
-                          min_tokens=max(0, record.get("min_tokens", 0) - produced))
+                          min_tokens=record.get("min_tokens", 0))
 
 
 def check_stop_strings(strings: list[str]) -> list[str]:

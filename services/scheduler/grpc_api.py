@@ -114,7 +114,7 @@ class GenerationServicer(rpc.generation.GenerationServicer):
         for chunk in stream:
             if chunk.error:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed: {chunk.error}")
-            text, stopped = matcher.feed(chunk.text)
+            text, stopped = matcher.feed(chunk.text, stream.stop_protected_chars())
             if stopped:  # the tokens up to the one that completed the stop string
                 kept = stream.tokens_for_text(chunk.token_ids, matcher.stop_end)
                 stream.cancel()

@@ -252,7 +252,7 @@ async def _pieces(stream: GenerationStream, stop: list[str],
                 if chunk.error:
                     batch.append(Piece("", chunk.token_ids, "error", chunk))
                     break
-                text, stopped = matcher.feed(chunk.text)
+                text, stopped = matcher.feed(chunk.text, stream.stop_protected_chars())
                 if stopped:
                     counted = (stream.tokens_for_text(chunk.token_ids, matcher.stop_end)
                                if chunk.logprobs is not None else None)

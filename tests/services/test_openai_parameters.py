@@ -77,13 +77,38 @@ def test_stop_string_ends_the_output_before_it(stack, embedded_greedy, stream):
                            timeout=60)
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
                                     stop=[stop, "never-produced"], stream=stream)
-    if stream:
-        chunks = list(out)
-        text = "".join(c.choices[0].text for c in chunks)
-        reason = chunks[-1].choices[0].finish_reason
-    else:
-        text, reason = out.choices[0].text, out.choices[0].finish_reason
-    assert text == cut and reason == "stop"
+    assert text_and_reason(out, stream) == (cut, "stop")
+
+
+def text_and_reason(out, stream: bool) -> tuple[str, str]:
+    """A completion's text and finish_reason, streamed (chunks joined) or not."""
+    if not stream:
+        return out.choices[0].text, out.choices[0].finish_reason
+    chunks = list(out)
+    return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_wait_for_min_tokens(stack, embedded_greedy, stream):
+    """vLLM's rule: no stop string ends within the first min_tokens tokens' text. The third
+    token's text as the stop string cuts the output there with min_tokens 0; with min_tokens 5
+    only a later occurrence may (the reference: tests/services/test_stop_strings.py)."""
+    from .test_stop_strings import reference_min_tokens
+
+    tokens = embedded_greedy(PROMPT, 20)
+    pieces = [("" if i == 0 else " ") + f"t{t}" for i, t in enumerate(tokens)]
+    client = openai.OpenAI(base_url=base_url(stack) + "/v1", api_key=stack.api_key, max_retries=0,
+                           timeout=60)
+    results = {}
+    for min_tokens in (0, 5):
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                        stop=[pieces[2]], stream=stream,
+                                        extra_body={"min_tokens": min_tokens})
+        text, reason = text_and_reason(out, stream)
+        cut, stopped = reference_min_tokens(pieces, [pieces[2]], min_tokens)
+        assert (text, reason) == (cut, "stop" if stopped else "length"), min_tokens
+        results[min_tokens] = text
+    assert results[0] != results[5]
 
 
 def test_seed_makes_sampling_reproducible(stack):

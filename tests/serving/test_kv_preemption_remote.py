@@ -2,7 +2,8 @@
 request but not two, so Verify calls are refused with RESOURCE_EXHAUSTED (nothing changed
 there); the engine preempts the newest request and recomputes it later, and every output equals
 the request's greedy output generated alone. Requests with penalties and min_tokens keep their
-counts through the recomputation (the re-read output counts as output again)."""
+counts through the recomputation (the re-read output counts as output again), and a resumed
+request counts its earlier output."""
 
 from __future__ import annotations
 
@@ -56,8 +57,12 @@ def test_penalties_and_min_tokens_survive_preemption_in_the_verifier_process(lau
     params = SamplingParams(temperature=0, min_tokens=8, repetition_penalty=1.5,
                             frequency_penalty=0.4, presence_penalty=0.3, logit_bias={7: 1.0})
 
-    def run(engine) -> list[list[int]]:
-        ids = [engine.add_request(p, params, MAX_TOKENS, s) for p, s in zip(PROMPTS, stops)]
+    def run(engine, earlier: list[list[int]] | None = None) -> list[list[int]]:
+        """`earlier`: each request resumes after these output tokens (Engine.add_request's
+        earlier_output: given back as the end of the prompt, counted as output)."""
+        earlier = earlier or [[] for _ in PROMPTS]
+        ids = [engine.add_request(p + e, params, MAX_TOKENS - len(e), s, earlier_output=e)
+               for p, s, e in zip(PROMPTS, stops, earlier)]
         out: dict = {i: [] for i in ids}
         for o in engine.stream():
             out[o.request_id] += o.new_token_ids
@@ -72,6 +77,10 @@ def test_penalties_and_min_tokens_survive_preemption_in_the_verifier_process(lau
         engine = engine_on(remote, tiny_models, runner)
         assert run(engine) == expected
         assert engine.stats.preemptions > 0
+        # Resumed after 5 tokens (the gateway's resume): the verifier process counts them as
+        # output (PrefillItem.prompt_length), so the rest is the uninterrupted output's.
+        resumed = engine_on(remote, tiny_models, runner)
+        assert run(resumed, [e[:5] for e in expected]) == [e[5:] for e in expected]
     finally:
         remote.close()
         verifier.stop()

@@ -52,6 +52,32 @@ def test_first_positions_match_the_in_process_drafter(drafter_service, tiny_mode
         remote.close()
 
 
+def test_drafts_are_processed_in_the_service_as_in_process(drafter_service, tiny_models):
+    """logit_bias and min_tokens (with the output count, DraftItem.num_output) reach the
+    drafter service: its blocks equal the in-process drafter's, and they differ from the
+    unprocessed ones (the bias bans the raw first draft, min_tokens the raw second)."""
+    runner = load_target(tiny_models.target_dir, LAYER_IDS, kv_cache_tokens=1024)
+    local = load_method_drafter(tiny_models.drafter_dir, runner, apply_calibration=True)
+    remote = RemoteDrafter(drafter_service)
+    try:
+        g = torch.Generator().manual_seed(2)
+        features = torch.randn(9, local.fc.in_features, generator=g)
+        tokens = torch.randint(4, 60, (9,), generator=g)
+        for d in (local, remote):
+            d.append_context("p", features, torch.arange(9), tokens)
+        raw = local.draft([DraftRequest("p", 11, 9, SamplingParams(temperature=0))])[0].tokens
+        params = SamplingParams(temperature=0, logit_bias={int(raw[0]): -100.0}, min_tokens=5,
+                                stop_token_ids=(int(raw[1]),))
+        for num_output in (3, 5):  # positions 1-2 hold the stop back, then none
+            request = [DraftRequest("p", 11, 9, params, num_output=num_output)]
+            expected = local.draft(request)[0]
+            got = remote.draft(request)[0]
+            assert torch.equal(got.tokens, expected.tokens), num_output
+            assert int(got.tokens[0]) != int(raw[0])
+    finally:
+        remote.close()
+
+
 def test_context_travels_with_the_first_draft_of_its_request(drafter_service, tiny_models):
     """Context appended in pieces is sent only when its request is drafted, all pieces joined:
     a request that is not drafted sends nothing, and the blocks still equal the in-process

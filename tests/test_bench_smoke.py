@@ -39,6 +39,9 @@ EXEMPT = {
     "seeded_tau.py": "tau of seeded against unseeded requests on the real model and the shipped "
                      "drafter; tests/test_seeded_repeats.py tests the seeded path on the tiny "
                      "target",
+    "draft_processing.py": "tau with and without processed drafts on the real target and drafter (its "
+                           "JSON case needs a tokenizer that can spell JSON); "
+                           "tests/models/test_draft_processing.py tests the processing",
     "fork_prefill.py": "n samples of a 500-token prompt on the real target and the shipped drafter; "
                        "tests/test_forks.py tests forks on the tiny target",
     "grammar_mask.py": "a JSON grammar needs a tokenizer that can spell JSON (the real target's); "

@@ -5,10 +5,12 @@ call is the cost that decides whether verification's savings turn into speed
 (`docs/results/e2e_shipped_dspark.md`). Here R chat prompts (the eval sets' first turns) are
 prefilled by the target runner, their features go into the drafter's context cache, and then
 `--rounds` draft calls of R requests (anchors after the prompts, at each of `--temperatures`) are
-timed, the drafter in each of `--dtypes` (the target runs in float32, as served by default), and
+timed for each of `--drafters` (dense float32 or bfloat16 tensors, or q8: Q8_0 blocks of the
+float32 weights, `dspark.models.drafter_block_weights`; the target runs in float32, as served by
+default), the drafters taking turns round by round so that each sees the same contention, and
 `--profile-rounds` more run under the torch profiler, grouped into matrix products, attention
 and everything else. Prints a markdown table and one JSON line. Usage:
-    .venv/bin/python bench/draft_step.py [--streams 1,8,16] [--dtypes float32,bfloat16]
+    .venv/bin/python bench/draft_step.py [--streams 1,8,16] [--drafters float32,bfloat16,q8]
         [--temperatures 0,1] [--threads 2] [--top-ops 20]
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +37,7 @@ from dspark.fetch import ensure_model  # noqa: E402
 from dspark.loading import load_method_drafter, load_target  # noqa: E402
 from dspark.models.draft_types import DraftRequest  # noqa: E402
 from dspark.models.drafter_config import DrafterConfig  # noqa: E402
+from dspark.models.quantized_linear import PROFILER_LABEL as BLOCK_LINEAR_LABEL  # noqa: E402
 from dspark.models.runner import ForwardItem  # noqa: E402
 from dspark.paths import DEFAULT_DRAFTER, EVAL_PROMPTS_DIR  # noqa: E402
 from dspark.sampling import SamplingParams  # noqa: E402
@@ -66,7 +70,7 @@ def profile_split(drafter, prompts: list[list[int]], temperature: float, rounds:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top_ops))
     split = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for event in prof.key_averages():
-        key = ("matmul" if event.key in MATMUL_OPS else
+        key = ("matmul" if event.key in MATMUL_OPS or event.key == BLOCK_LINEAR_LABEL else
                "attention" if event.key in ATTENTION_OPS else "other")
         split[key] += event.self_cpu_time_total / 1e3 / rounds
     return split
@@ -79,7 +83,8 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
     parser.add_argument("--streams", default="1,8,16")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--drafters", default="float32,bfloat16,q8",
+                        help="dense float32 / bfloat16 tensors, or q8 (Q8_0 blocks, float32 math)")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
@@ -95,37 +100,43 @@ def main() -> int:
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), max(streams), args.eval_dir)
     layer_ids = tuple(DrafterConfig.load(args.checkpoint).target_layer_ids)
     print(f"# {cpu_line()}; torch {torch.__version__}, {args.threads} threads", flush=True)
-    print("| drafter dtype | temperature | streams | ms a round (median) | ms a request | "
+    print("| drafter | temperature | streams | ms a round (median) | ms a request | "
           "products | attention | other |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     runner = load_target(model_dir, layer_ids, kv_cache_tokens=len(prompts) * 1024,
                          dtype="float32", device=resolve_device(args.device))
     features = prompt_features(runner, prompts)
-    for dtype in args.dtypes.split(","):
-        drafter = load_method_drafter(args.checkpoint, runner, apply_calibration=True,
-                                      dtype=getattr(torch, dtype))
+    drafters = {}
+    for variant in args.drafters.split(","):
+        drafters[variant] = (load_method_drafter(args.checkpoint, runner, apply_calibration=True,
+                                                 weights="q8") if variant == "q8" else
+                             load_method_drafter(args.checkpoint, runner, apply_calibration=True,
+                                                 weights="dense", dtype=getattr(torch, variant)))
         for i, (p, f) in enumerate(zip(prompts, features)):
-            drafter.append_context(i, f, torch.arange(len(p)))
-        for temperature in (float(t) for t in args.temperatures.split(",")):
-            for r in streams:
-                batch = prompts[:r]
+            drafters[variant].append_context(i, f, torch.arange(len(p)))
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        for r in streams:
+            batch = prompts[:r]
+            times = {variant: [] for variant in drafters}
+            for drafter in drafters.values():
                 draft_round(drafter, batch, temperature)  # absorbs the pending context
-                times = []
-                for _ in range(args.rounds):
+            for _ in range(args.rounds):  # the drafters take turns: the same contention for each
+                for variant, drafter in drafters.items():
                     start = time.perf_counter()
                     draft_round(drafter, batch, temperature)
-                    times.append(time.perf_counter() - start)
-                ms = statistics.median(times) * 1e3
+                    times[variant].append(time.perf_counter() - start)
+            for variant, drafter in drafters.items():
+                ms = statistics.median(times[variant]) * 1e3
                 split = profile_split(drafter, batch, temperature, args.profile_rounds,
                                       args.top_ops)
-                rows.append({"dtype": dtype, "temperature": temperature, "streams": r,
+                rows.append({"drafter": variant, "temperature": temperature, "streams": r,
                              "ms_round": round(ms, 2), **{k: round(v, 2) for k, v in split.items()}})
-                print(f"| {dtype} | {temperature:g} | {r} | {ms:.2f} | {ms / r:.2f} | "
+                print(f"| {variant} | {temperature:g} | {r} | {ms:.2f} | {ms / r:.2f} | "
                       f"{split['matmul']:.2f} | {split['attention']:.2f} | {split['other']:.2f} |",
                       flush=True)
     print(json.dumps({"bench": "draft_step", "cpu": cpu_line(), "threads": args.threads,
-                      "rows": rows}))
+                      "load_avg_1m": os.getloadavg()[0], "rows": rows}))
     return 0
 
 

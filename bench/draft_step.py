@@ -5,12 +5,14 @@ call is the cost that decides whether verification's savings turn into speed
 (`docs/results/e2e_shipped_dspark.md`). Here R chat prompts (the eval sets' first turns) are
 prefilled by the target runner, their features go into the drafter's context cache, and then
 `--rounds` draft calls of R requests (anchors after the prompts, at each of `--temperatures`) are
-timed, the drafter in each of `--dtypes` (the target runs in float32, as served by default), and
+timed for each of `--drafters` (dense float32 or bfloat16 tensors, or q8: Q8_0 blocks of the
+float32 weights, `dspark.models.drafter_block_weights`; the target runs in float32, as served by
+default), the drafters taking turns round by round so that each sees the same contention, and
 `--profile-rounds` more run under the torch profiler, grouped into matrix products, attention
 and everything else, under each of `--attention`'s ways of attending to the contexts
 (`ContextAttention`: one SDPA call a layer for all requests, or one a request and layer), whose
 greedy tokens must agree. Prints a markdown table and one JSON line. Usage:
-    .venv/bin/python bench/draft_step.py [--streams 1,8,16] [--dtypes float32,bfloat16]
+    .venv/bin/python bench/draft_step.py [--streams 1,8,16] [--drafters float32,bfloat16,q8]
         [--temperatures 0,1] [--attention batched,per_request] [--threads 2] [--top-ops 20]
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,6 +40,7 @@ from dspark.loading import load_method_drafter, load_target  # noqa: E402
 from dspark.models.draft_types import DraftRequest  # noqa: E402
 from dspark.models.drafter import ContextAttention  # noqa: E402
 from dspark.models.drafter_config import DrafterConfig  # noqa: E402
+from dspark.models.quantized_linear import PROFILER_LABEL as BLOCK_LINEAR_LABEL  # noqa: E402
 from dspark.models.runner import ForwardItem  # noqa: E402
 from dspark.paths import DEFAULT_DRAFTER, EVAL_PROMPTS_DIR  # noqa: E402
 from dspark.sampling import SamplingParams  # noqa: E402
@@ -69,7 +73,7 @@ def profile_split(drafter, prompts: list[list[int]], temperature: float, rounds:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top_ops))
     split = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for event in prof.key_averages():
-        key = ("matmul" if event.key in MATMUL_OPS else
+        key = ("matmul" if event.key in MATMUL_OPS or event.key == BLOCK_LINEAR_LABEL else
                "attention" if event.key in ATTENTION_OPS else "other")
         split[key] += event.self_cpu_time_total / 1e3 / rounds
     return split
@@ -82,7 +86,8 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--eval-dir", type=Path, default=EVAL_PROMPTS_DIR)
     parser.add_argument("--streams", default="1,8,16")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--drafters", default="float32,bfloat16,q8",
+                        help="dense float32 / bfloat16 tensors, or q8 (Q8_0 blocks, float32 math)")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--attention", default=",".join(a.value for a in ContextAttention),
                         help="ContextAttention values, comma-separated (default: all)")
@@ -100,52 +105,59 @@ def main() -> int:
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), max(streams), args.eval_dir)
     layer_ids = tuple(DrafterConfig.load(args.checkpoint).target_layer_ids)
     print(f"# {cpu_line()}; torch {torch.__version__}, {args.threads} threads", flush=True)
-    print("| drafter dtype | attention | temperature | streams | ms a round (median) | ms a request | "
+    print("| drafter | attention | temperature | streams | ms a round (median) | ms a request | "
           "products | attention ops | other |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     modes = [ContextAttention(a) for a in args.attention.split(",")]
-    greedy_tokens: dict[tuple, list] = {}  # (dtype, streams) -> the first mode's greedy tokens
+    greedy_tokens: dict[tuple, list] = {}  # (drafter, streams) -> the first mode's greedy tokens
     rows = []
     runner = load_target(model_dir, layer_ids, kv_cache_tokens=len(prompts) * 1024,
                          dtype="float32", device=resolve_device(args.device))
     features = prompt_features(runner, prompts)
-    for dtype in args.dtypes.split(","):
-        drafter = load_method_drafter(args.checkpoint, runner, apply_calibration=True,
-                                      dtype=getattr(torch, dtype))
+    drafters = {}
+    for variant in args.drafters.split(","):
+        drafters[variant] = (load_method_drafter(args.checkpoint, runner, apply_calibration=True,
+                                                 weights="q8") if variant == "q8" else
+                             load_method_drafter(args.checkpoint, runner, apply_calibration=True,
+                                                 weights="dense", dtype=getattr(torch, variant)))
         for i, (p, f) in enumerate(zip(prompts, features)):
-            drafter.append_context(i, f, torch.arange(len(p)))
-        for temperature, r in ((float(t), r) for t in args.temperatures.split(",")
-                               for r in streams):
+            drafters[variant].append_context(i, f, torch.arange(len(p)))
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        for r in streams:
             batch = prompts[:r]
-            for mode in modes:
-                drafter.context_attention = mode
-                blocks = draft_round(drafter, batch, temperature)  # absorbs the pending context
-                if temperature == 0:
-                    tokens = [b.tokens.tolist() for b in blocks]
-                    first = greedy_tokens.setdefault((dtype, r), tokens)
-                    if tokens != first:
-                        raise SystemExit(f"{mode.value} drafts other greedy tokens than "
-                                         f"{modes[0].value} at {r} streams ({dtype})")
-            times: dict[ContextAttention, list[float]] = {m: [] for m in modes}
-            for _ in range(args.rounds):  # the modes alternate, so a load change hits them alike
+            for variant, drafter in drafters.items():
                 for mode in modes:
                     drafter.context_attention = mode
-                    start = time.perf_counter()
-                    draft_round(drafter, batch, temperature)
-                    times[mode].append(time.perf_counter() - start)
-            for mode in modes:
-                drafter.context_attention = mode
-                ms = statistics.median(times[mode]) * 1e3
-                split = profile_split(drafter, batch, temperature, args.profile_rounds,
-                                      args.top_ops)
-                rows.append({"dtype": dtype, "context_attention": mode.value,
-                             "temperature": temperature, "streams": r, "ms_round": round(ms, 2),
-                             **{k: round(v, 2) for k, v in split.items()}})
-                print(f"| {dtype} | {mode.value} | {temperature:g} | {r} | {ms:.2f} | {ms / r:.2f} | "
-                      f"{split['matmul']:.2f} | {split['attention']:.2f} | {split['other']:.2f} |",
-                      flush=True)
+                    blocks = draft_round(drafter, batch, temperature)  # absorbs the pending context
+                    if temperature == 0:
+                        tokens = [b.tokens.tolist() for b in blocks]
+                        first = greedy_tokens.setdefault((variant, r), tokens)
+                        if tokens != first:
+                            raise SystemExit(f"{mode.value} drafts other greedy tokens than "
+                                             f"{modes[0].value} at {r} streams ({variant})")
+            times = {(variant, mode): [] for variant in drafters for mode in modes}
+            for _ in range(args.rounds):  # drafters and modes take turns: the same contention
+                for variant, drafter in drafters.items():
+                    for mode in modes:
+                        drafter.context_attention = mode
+                        start = time.perf_counter()
+                        draft_round(drafter, batch, temperature)
+                        times[variant, mode].append(time.perf_counter() - start)
+            for variant, drafter in drafters.items():
+                for mode in modes:
+                    drafter.context_attention = mode
+                    ms = statistics.median(times[variant, mode]) * 1e3
+                    split = profile_split(drafter, batch, temperature, args.profile_rounds,
+                                          args.top_ops)
+                    rows.append({"drafter": variant, "context_attention": mode.value,
+                                 "temperature": temperature, "streams": r,
+                                 "ms_round": round(ms, 2),
+                                 **{k: round(v, 2) for k, v in split.items()}})
+                    print(f"| {variant} | {mode.value} | {temperature:g} | {r} | {ms:.2f} | "
+                          f"{ms / r:.2f} | {split['matmul']:.2f} | {split['attention']:.2f} | "
+                          f"{split['other']:.2f} |", flush=True)
     print(json.dumps({"bench": "draft_step", "cpu": cpu_line(), "threads": args.threads,
-                      "rows": rows}))
+                      "load_avg_1m": os.getloadavg()[0], "rows": rows}))
     return 0
 
 

@@ -37,6 +37,10 @@ def run_eval(dataset: Path, args: argparse.Namespace) -> dict:
            "--temperature", str(args.temperature), "--max-tokens", str(args.max_tokens),
            "--limit", str(args.limit), "--threads", str(args.threads), "--seed", str(args.seed),
            "--verification", args.verification]
+    if args.drafter_weights is not None:
+        cmd += ["--drafter-weights", args.drafter_weights]
+    if args.drafter_dtype is not None:
+        cmd += ["--drafter-dtype", args.drafter_dtype]
     if args.model_dir is not None:
         cmd += ["--model-dir", str(args.model_dir)]
     if args.plots is not None:
@@ -74,6 +78,10 @@ def main() -> int:
                         choices=["token", "block", "drafter-invariant"],
                         help="how sampled drafts are accepted (dspark eval --verification)")
     parser.add_argument("--plots", type=Path, default=None)
+    parser.add_argument("--drafter-weights", default=None, choices=["q8", "dense"],
+                        help="dspark eval --drafter-weights (default: its choice)")
+    parser.add_argument("--drafter-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="dspark eval --drafter-dtype: dense drafter weights in this dtype")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="the target's folder (default: dspark fetch-model's)")
     args = parser.parse_args()

@@ -50,6 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, choices=["q4", "dense"],
                         help="q4: the model folder's GGUF blocks (float32 math); dense: --dtype tensors "
                              "(default: q4 where it applies)")
+    parser.add_argument("--drafter-weights", default=None, choices=["q8", "dense"],
+                        help="q8: Q8_0 blocks of the drafter's float32 weights (float32 math); dense (default): "
+                             "its dtype tensors")
     parser.add_argument("--verification", default="token",
                         choices=["token", "block", "drafter-invariant"],
                         help="how sampled drafts are accepted: token by token, or the whole block "
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                                                             args.dtype, device, weights)
     engine, tokenizer = load_engine(Path(model_dir), drafter_dir, args.policy, args.dtype,
                                     cost_table, verification=args.verification, device=device,
-                                    weights=weights)
+                                    weights=weights, drafter_weights=args.drafter_weights)
 
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],

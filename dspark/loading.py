@@ -10,7 +10,11 @@ Glossary
   (`target_layer_ids`), so the runner that serves it must return exactly those layers; its token
   embedding and LM head are the target's own tensors, shared while the drafter runs in the
   target's dtype (a copy in the drafter's dtype otherwise).
-- drafter dtype: the target's, except on a CPU that multiplies bf16 natively (oneDNN's bf16
+- drafter weights (`DrafterWeights`): by default the drafter's tensors in its dtype (dense); asked
+  for, on a CPU with the block kernel, Q8_0 blocks quantised from its float32 checkpoint and
+  multiplied in float32 (`dspark.models.drafter_block_weights`; `choose_drafter_weights` says
+  why that is not the default).
+- drafter dtype (dense weights): the target's, except on a CPU that multiplies bf16 natively (oneDNN's bf16
   support: AVX512-BF16, AMX) under a float32 target, where the drafter runs in bf16
   (`drafter_dtype`). The drafts stay exact either way: each is drawn from the distribution the
   drafter reports for it, and verification accepts against the target's own float32 logits.
@@ -28,10 +32,12 @@ from dspark.cost_table import CostTable
 from dspark.cpu_info import cpu_description
 from dspark.devices import resolve_device  # noqa: F401 (the services and CLIs import it here)
 from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
+from dspark.models.drafter_block_weights import DrafterWeights, use_block_weights
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.draft_types import Drafter
 from dspark.models.drafter_io import AnyDrafter, load_drafter
 from dspark.models.packed_linear import packing_available
+from dspark.models.quantized_linear import kernel_isa as block_kernel_isa
 from dspark.models.runner import RunnerConfig, TargetRunner
 from dspark.rejection import VerificationRule
 from dspark.step_timing import cached_startup_cost_table
@@ -95,15 +101,45 @@ def drafter_dtype(runner: TargetRunner) -> torch.dtype:
     return runner.dtype
 
 
+def choose_drafter_weights(weights: DrafterWeights | str | None, runner: TargetRunner,
+                           dtype: torch.dtype | None = None) -> DrafterWeights:
+    """`weights` resolved for a drafter serving this runner: None is DENSE; Q8 where it does not
+    apply (not a CPU, no block kernel, a dtype other than float32) raises ValueError.
+
+    Why not Q8 by default: the block kernel keeps one fixed summation order per output (batch
+    invariance, which the target needs), so it is bound by arithmetic beyond one row, and a
+    drafting round multiplies gamma = 7 rows per request through weights that mostly stay in
+    the cache (26 MB in bf16). On an AVX512-BF16 EPYC, one thread, a round at one stream took
+    45 ms on Q8 against 47 in float32 and 31 in bf16, at 8 streams 306 against 213 and 123
+    (`bench/draft_step.py`, paired; docs/results/q4_drafter.md)."""
+    if weights is not None:
+        weights = DrafterWeights(weights)
+    problems = []
+    if runner.device.type != "cpu":
+        problems.append("it runs on a CPU only")
+    elif block_kernel_isa() is None:
+        problems.append("the block kernel does not build here")
+    if dtype is not None and dtype != torch.float32:
+        problems.append(f"it computes in float32, not {dtype}")
+    if weights is DrafterWeights.Q8 and problems:
+        raise ValueError("drafter weights 'q8' do not apply: " + "; ".join(problems))
+    return DrafterWeights.DENSE if weights is None else weights
+
+
 def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
                         apply_calibration: bool = False,
-                        dtype: torch.dtype | None = None) -> AnyDrafter:
+                        dtype: torch.dtype | None = None,
+                        weights: DrafterWeights | str | None = None) -> AnyDrafter:
     """Load the drafter in `folder` onto the runner's device, with the runner's embedding and LM
-    head, ready for inference (no autograd: see `FrozenTargetHead.pack_for_inference`), in
-    `dtype` (default `drafter_dtype(runner)`). With `apply_calibration`, the folder's STS
-    temperatures (if any) are applied to the confidences it returns; evaluation and calibration
-    keep them raw (the default).
+    head, ready for inference (no autograd: see `FrozenTargetHead.pack_for_inference`), with
+    `weights` (`choose_drafter_weights`; "q8": Q8_0 blocks, float32 activations), dense ones in
+    `dtype` (default `drafter_dtype(runner)`). With
+    `apply_calibration`, the folder's STS temperatures (if any) are applied to the confidences
+    it returns; evaluation and calibration keep them raw (the default).
     """
+    weights = choose_drafter_weights(weights, runner, dtype)
+    if weights is DrafterWeights.Q8:
+        dtype = torch.float32
     folder = Path(folder)
     config = DrafterConfig.load(folder)
     mc = runner.model_config
@@ -124,7 +160,10 @@ def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
                 raise ValueError(f"{folder}: {CALIBRATION_FILENAME} has gamma={calibration.gamma}, "
                                  f"the drafter {drafter.gamma}")
             drafter.set_confidence_calibration(calibration)
-    drafter.pack_for_inference()  # a CPU: oneDNN-packed products (no-op elsewhere)
+    if weights is DrafterWeights.Q8:
+        use_block_weights(drafter)  # a hidden size that is not whole blocks: ValueError
+    else:
+        drafter.pack_for_inference()  # a CPU: oneDNN-packed products (no-op elsewhere)
     return drafter
 
 
@@ -148,12 +187,15 @@ def build_engine(target: TargetRunner | TargetVerifier, drafter: Drafter | None,
 def load_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: str,
                 cost_table_path: Path | None, max_running: int = 16,
                 sparse_top_k: int | None = None, device: str = "cpu",
-                verification: str = "token", weights: str | None = None):
+                verification: str = "token", weights: str | None = None,
+                drafter_weights: str | None = None):
     """The embedded engine over the target in `model_dir` and the drafter in `drafter_dir` (none
     when it is None or the policy is `none`); returns (engine, tokenizer). The cost table SPS(B)
     is read from `cost_table_path` when that file exists and is plausible, else measured now (and
     saved there when a path is given and the measurement is plausible:
-    `dspark.step_timing.cached_startup_cost_table`)."""
+    `dspark.step_timing.cached_startup_cost_table`). `weights`: the target's (RunnerConfig.weights);
+    `drafter_weights`: the drafter's ("q8" | "dense", `choose_drafter_weights`). The table times
+    target passes only, so it is keyed by the target's weights and not by the drafter's."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -162,7 +204,8 @@ def load_engine(model_dir: Path, drafter_dir: Path | None, policy: str, dtype: s
     layer_ids = tuple(DrafterConfig.load(drafter_dir).target_layer_ids) if use_drafter else ()
     runner = load_target(model_dir, layer_ids, kv_cache_tokens=max_running * 4096, device=device,
                          dtype=dtype, weights=weights)
-    drafter = (load_method_drafter(drafter_dir, runner, apply_calibration=True)
+    drafter = (load_method_drafter(drafter_dir, runner, apply_calibration=True,
+                                   weights=drafter_weights)
                if use_drafter else None)
     table = cached_startup_cost_table(runner, cost_table_path)
     config = EngineConfig(AdmissionConfig(policy=parsed),

@@ -90,6 +90,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="target and drafter dtype (default: float32 on CPU, bf16 on CUDA)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--drafter-weights", default=None, choices=["q8", "dense"],
+                        help="q8: Q8_0 blocks of the drafter's float32 weights (float32 math); dense (default): "
+                             "its dtype tensors")
+    parser.add_argument("--drafter-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="dense drafter weights in this dtype (default: dspark.loading.drafter_dtype)")
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -229,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
                                  dtype=args.dtype)
         try:
             if folder not in drafters:
-                drafters[folder] = load_method_drafter(folder, runner)
+                drafters[folder] = load_method_drafter(
+                    folder, runner, weights=args.drafter_weights,
+                    dtype=getattr(torch, args.drafter_dtype) if args.drafter_dtype else None)
         except ValueError as e:
             print(f"dspark eval: {name}: {e}", file=sys.stderr)
             return 2

@@ -38,6 +38,7 @@ from dspark.models.draft_types import (BlockTrainOutputs, DraftBlock, DraftReque
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
 from dspark.models.drafter_layers import DrafterLayer, rope_cos_sin
 from dspark.models.packed_linear import pack_linears, pack_weight, packed_linear, packing_available
+from dspark.models.quantized_linear import block_linear
 from dspark.models.sequential_heads import ConfidenceHead, MarkovHead, RNNHead
 from dspark.models.transformer import RMSNorm
 
@@ -64,6 +65,7 @@ class FrozenTargetHead(nn.Module):
         draft vocabulary (ascending target ids [V_d]) when it is reduced."""
         cfg = self.config
         self.packed_lm_head = None  # packed from the old weights, if packed: pack again
+        self.lm_head_blocks = None  # the same for the Q8_0 blocks (drafter_block_weights)
         assert embed_weight.shape == (cfg.vocab_size, cfg.hidden_size), embed_weight.shape
         assert lm_head_weight.shape == (cfg.vocab_size, cfg.hidden_size), lm_head_weight.shape
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
@@ -96,6 +98,9 @@ class FrozenTargetHead(nn.Module):
 
     def base_logits(self, hn: torch.Tensor) -> torch.Tensor:
         """U = lm_head(norm(h)): [..., hidden] -> [..., V_d] float32."""
+        blocks = getattr(self, "lm_head_blocks", None)  # Q8_0: dspark.models.drafter_block_weights
+        if blocks is not None:
+            return block_linear(hn, blocks)
         packed = getattr(self, "packed_lm_head", None)
         if packed is not None:
             return packed_linear(hn, packed, None).float()

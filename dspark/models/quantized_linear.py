@@ -30,7 +30,7 @@ import torch
 
 from dspark.models.paged_attention import KERNEL_ISA_FLAGS_ENV
 
-__all__ = ["BlockFormat", "BlockWeight", "block_linear", "dequantize", "kernel_available",
+__all__ = ["BlockFormat", "BlockWeight", "block_linear", "dequantize", "quantize_q8_0", "kernel_available",
            "build_kernel", "kernel_isa"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "block_linear.cpp"
@@ -90,6 +90,29 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
     else:
         w = d * b[..., 2:].contiguous().view(torch.int8).float()
     return w.reshape(out, weight.in_features)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
+    """Float weights W [out_features, in_features] (in_features a multiple of 32) -> Q8_0 blocks:
+    per 32 weights d = max|w| / 127 stored as fp16 (rounded up where rounding to nearest would
+    leave it below max|w| / 127), q = round(w / d) with that fp16 d (halves away from zero, as
+    ggml rounds), so every dequantised weight is within d / 2 of w. For
+    weights that are themselves Q8_0 blocks dequantised (the target's LM head) this returns
+    those blocks bit for bit: d * 127 / 127 is d again and d * q / d is q."""
+    out, in_features = weight.shape
+    if in_features % BLOCK_WEIGHTS:
+        raise ValueError(f"Q8_0 needs in_features a multiple of {BLOCK_WEIGHTS}, got {in_features}")
+    w = weight.detach().float().reshape(out, in_features // BLOCK_WEIGHTS, BLOCK_WEIGHTS)  # [out, nb, 32]
+    step = w.abs().amax(dim=-1, keepdim=True) / 127  # [out, nb, 1]
+    d = step.half()
+    # fp16 rounded d below the step (most often a subnormal d, max|w| < 0.008) would put
+    # max|w| / d past 127: take the next fp16 up, so q stays in range and within half a step
+    d = torch.where(d.float() < step, torch.nextafter(d, torch.full_like(d, float("inf"))), d)
+    d32 = d.float()
+    scaled = torch.where(d32 > 0, w / d32, torch.zeros_like(w))  # an all-zero block: d = 0, q = 0
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)  # [out, nb, 32]
+    blocks = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1)  # [out, nb, 34]
+    return BlockWeight(BlockFormat.Q8_0, blocks.reshape(out, -1).contiguous(), in_features)
 
 
 def build_kernel(name: str, isa_flags: tuple[str, ...] = ()):

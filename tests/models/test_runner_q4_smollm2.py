@@ -128,12 +128,14 @@ def test_logits_batch_invariant(strict_runner, prompts):
     assert torch.equal(alone, together)
 
 
+@pytest.mark.parametrize("drafter_weights", ["dense", "q8"])
 @pytest.mark.parametrize("policy", ["async_topk", "fixed:7"])
-def test_speculation_equals_target_only(runner, prompts, expected, hf, policy):
-    """The engine with the shipped drafter gives transformers' greedy tokens under the policy as
-    under `none` (target-only decoding), 4 concurrent requests."""
+def test_speculation_equals_target_only(runner, prompts, expected, hf, policy, drafter_weights):
+    """The engine with the shipped drafter (dense, or on Q8_0 blocks of its weights) gives
+    transformers' greedy tokens under the policy as under `none` (target-only decoding), 4
+    concurrent requests."""
     _, tokenizer = hf
-    drafter = load_method_drafter(DRAFTER_DIR, runner, apply_calibration=True)
+    drafter = load_method_drafter(DRAFTER_DIR, runner, apply_calibration=True, weights=drafter_weights)
     verifier = TargetVerifier(runner)
     outs = {}
     for p in ("none", policy):

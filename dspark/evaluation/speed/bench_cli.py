@@ -87,6 +87,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, choices=["q4", "dense"],
                         help="the target's linears (RunnerConfig.weights; default: q4 where the "
                              "model folder has its GGUF and the CPU its kernel, else dense)")
+    parser.add_argument("--drafter-weights", default=None, choices=["q8", "dense"],
+                        help="engine rows that do not name their drafter's weights: "
+                             "q8: Q8_0 blocks of the drafter's float32 weights (float32 math); dense (default): "
+                             "its dtype tensors")
     parser.add_argument("--sparse-top-k", type=int, default=None,
                         help="engine: ship draft distributions as top-k (default dense)")
     parser.add_argument("--verification", default="token",

@@ -126,10 +126,13 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
                     runners[layer_ids] = TargetRunner(config=RunnerConfig(
                         device=args.device, dtype=args.dtype, hidden_layer_ids=layer_ids, kv_cache_tokens=kv_tokens),
                         model=base.model)
-                key = (folder, spec.drafter_dtype)
+                drafter_weights = spec.drafter_weights or getattr(args, "drafter_weights", None)
+                if spec.drafter_dtype is not None and spec.drafter_weights is None:
+                    drafter_weights = "dense"  # a dtype names dense tensors
+                key = (folder, spec.drafter_dtype, drafter_weights)
                 if key not in drafters:
                     drafters[key] = load_method_drafter(
-                        folder, runners[layer_ids], apply_calibration=True,
+                        folder, runners[layer_ids], apply_calibration=True, weights=drafter_weights,
                         dtype=None if spec.drafter_dtype is None else getattr(torch, spec.drafter_dtype))
             except ValueError as e:
                 status[name], notes[name] = "error", str(e)
@@ -138,7 +141,8 @@ def load_setup(args: argparse.Namespace, rows: list[str], concurrencies: list[in
             drafter = drafters[key]
             if policy == FULL_BLOCK:
                 policy = f"fixed:{drafter.gamma}"
-            drafter_dtype = str(drafter.fc.weight.dtype).removeprefix("torch.")
+            drafter_dtype = ("q8" if getattr(drafter, "lm_head_blocks", None) is not None
+                             else str(drafter.fc.weight.dtype).removeprefix("torch."))
             notes[name] = f"{policy}, gamma {drafter.gamma}, {drafter_dtype} drafter"
             if spec.policy in ("async_topk", "sync_greedy"):  # the policies that read confidences
                 calibrated = load_calibration(folder) is not None

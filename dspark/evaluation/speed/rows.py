@@ -39,7 +39,10 @@ class RowSpec:
     """What engine rows' admission maximises (AdmissionConfig.objective; None: its default, the
     one served; only async_topk and sync_greedy read it)."""
     drafter_dtype: str | None = None
-    """The drafter's dtype; None: `dspark.loading.drafter_dtype`'s choice, as served."""
+    """The drafter's dtype (dense weights); None: `dspark.loading.drafter_dtype`'s choice, as served."""
+    drafter_weights: str | None = None
+    """The drafter's weights ("q8" | "dense", `dspark.loading.choose_drafter_weights`); None:
+    `--drafter-weights`, else the choice served (a drafter_dtype asks for dense)."""
     verification: str | None = None
     """How engine rows verify sampled drafts (`VerificationRule`); None: `--verification`."""
 
@@ -53,6 +56,8 @@ ROWS: dict[str, RowSpec] = {r.name: r for r in (
             "async_topk", ThetaObjective.PAPER),
     RowSpec("dspark-fp32-drafter", "DSpark (async_topk, float32 drafter)", RowKind.ENGINE,
             "dspark", "async_topk", drafter_dtype="float32"),
+    RowSpec("dspark-q8-drafter", "DSpark (async_topk, Q8_0 drafter)", RowKind.ENGINE, "dspark",
+            "async_topk", drafter_weights="q8"),
     RowSpec("dspark-block", "DSpark (async_topk, block verification)", RowKind.ENGINE, "dspark",
             "async_topk", verification="block"),
     RowSpec("dspark-sync", "DSpark (sync_greedy)", RowKind.ENGINE, "dspark", "sync_greedy"),

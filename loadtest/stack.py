@@ -30,6 +30,8 @@ class ModelChoice:
     max_context_tokens: int = 0
     """0 = the verifier's default."""
     dtype: str = "float32"
+    weights: str = "auto"
+    """The verifier's target linears: auto | q4 | dense (services.verifier --weights)."""
     device: str = "cpu"
     scheduler_args: tuple[str, ...] = ()
     verifier_threads: int = 0
@@ -52,12 +54,12 @@ def tiny_models(work: Path) -> ModelChoice:
 
 
 def real_models(model_dir: str = "", drafter_dir: str = "", cost_table: str = "",
-                dtype: str = "float32") -> ModelChoice:
+                dtype: str = "float32", weights: str = "auto") -> ModelChoice:
     """SmolLM2 (prepared by `dspark fetch-model`) and the shipped drafter unless named."""
     from dspark.paths import DEFAULT_DRAFTER
 
     return ModelChoice(model_dir, drafter_dir or str(DEFAULT_DRAFTER), cost_table, "dspark",
-                       dtype=dtype)
+                       dtype=dtype, weights=weights)
 
 
 @dataclass
@@ -135,6 +137,7 @@ def start_stack(models: ModelChoice, policy: str, log_dir: Path,
     model = ["--model-dir", models.model_dir] if models.model_dir else []
     verifier_port, drafter_port = free_port(), free_port()
     verifier_args = ["services.verifier", "--port", str(verifier_port), *model, *common, *trace,
+                     "--weights", models.weights,
                      "--threads", str(threads.verifier),
                      "--hidden-layer-ids", "" if use_drafter else "none"]
     if use_drafter:

@@ -79,6 +79,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the services' model dtype (not with --tiny); bfloat16 is the faster "
                              "one on a CPU with AVX512-BF16")
+    parser.add_argument("--weights", default="auto", choices=["auto", "q4", "dense"],
+                        help="the verifier's target linears (not with --tiny): the GGUF's own "
+                             "blocks (q4), dense tensors, or auto (q4 where the GGUF and the CPU "
+                             "kernel are)")
     parser.add_argument("--verifier-threads", type=int, default=0,
                         help="torch threads of the verifier (0: as dspark up splits the cores)")
     parser.add_argument("--drafter-threads", type=int, default=0,
@@ -197,7 +201,8 @@ def choose_models(args: argparse.Namespace, out: Path):
             args.prompt_chars = 200  # the tiny target's context is short
         models = tiny_models(out / "tiny_models")
     else:
-        models = real_models(args.model_dir, args.drafter_dir, args.cost_table, args.dtype)
+        models = real_models(args.model_dir, args.drafter_dir, args.cost_table, args.dtype,
+                             args.weights)
     asked = {k: v for k, v in (("verifier_threads", args.verifier_threads),
                                ("drafter_threads", args.drafter_threads)) if v}
     return dataclasses.replace(models, **asked)

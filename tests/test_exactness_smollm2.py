@@ -1,14 +1,14 @@
 """End-to-end greedy exactness on the real target with the shipped drafter.
 
-30 eval prompts (chat template, spread over the four eval files) x up to 128 new tokens: the
+18 eval prompts (chat template, spread over the four eval files) x up to 128 new tokens: the
 embedded engine's output is token-identical to transformers `generate` run prompt by prompt on the
-same fp32 weights, for every admission policy, with 8 concurrent requests (all 30 prompts through
+same fp32 weights, for every admission policy, with 8 concurrent requests (all 18 prompts through
 continuous batching) and with 1 (one request at a time).
 
-CI budget: the 8-concurrent runs cover all 30 prompts for every policy. One at a time, each policy
-runs its own 5 of the 30 prompts, so the six policies together cover all 30; set
-DSPARK_FULL_EXACTNESS=1 to run all 30 prompts one at a time under every policy (six times
-the one-at-a-time runs; not timed here).
+CI budget: the 8-concurrent runs cover all 18 prompts for every policy. One at a time, each
+policy runs its own 3 of the 18, so the six policies together cover all 18; set
+DSPARK_FULL_EXACTNESS=1 to run all 18 one at a time under every policy (six times the
+one-at-a-time runs; not timed here).
 Outputs stop at EOS on both sides, so they are compared including it.
 """
 
@@ -31,7 +31,7 @@ from .conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-NUM_PROMPTS, NEW_TOKENS = 30, 128
+NUM_PROMPTS, NEW_TOKENS = 18, 128
 POLICIES = ["none", "fixed:1", "fixed:7", "threshold:0.5", "sync_greedy", "async_topk"]
 FULL = os.environ.get("DSPARK_FULL_EXACTNESS") == "1"
 DRAFTER_DIR = REPO_ROOT / "checkpoints" / "dspark-markov"

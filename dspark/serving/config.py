@@ -116,6 +116,9 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
     hidden_layer_ids: str = _field("", "comma-separated target layers to return (overrides "
                                        "--drafter-dir); 'none' = no features")
     dtype: str = _field("float32", "float32 | bfloat16")
+    weights: str = _field("auto", "auto | q4 | dense: the target's linears; auto = the GGUF's own "
+                                  "blocks (q4) where the model folder has its GGUF and the CPU the "
+                                  "block kernel, else dense (RunnerConfig.weights)")
     device: str = _field("auto", "torch device: auto (CUDA when available), cpu, cuda, cuda:N")
     kv_cache_tokens: int = _field(0, "KV cache capacity in tokens, shared by all requests; 0 = "
                                      "by device: 65536 on a CPU, half the free memory on CUDA "
@@ -140,6 +143,11 @@ class VerifierServiceConfig(TracingFields, InternalTokenFields):
             raise ValueError("kv_cache_tokens must be >= 0 (0: by device), threads >= 1, "
                              "max_context_tokens >= 2")
         parse_hidden_layer_ids(self.hidden_layer_ids)
+        from dspark.models.runner import WEIGHT_MODES
+
+        if self.weights not in ("auto", *WEIGHT_MODES):
+            raise ValueError(f"weights must be auto or one of {', '.join(WEIGHT_MODES)}, "
+                             f"got {self.weights!r}")
         from dspark.rejection import VerificationRule
 
         VerificationRule(self.verification)  # ValueError names the bad value

@@ -38,6 +38,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", default="dspark", help="the model name clients send")
     parser.add_argument("--policy", default="async_topk")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weights", default="auto", choices=["auto", "q4", "dense"],
+                        help="the verifier's target linears: the GGUF's own blocks (q4), dense "
+                             "tensors, or auto (q4 where the GGUF and the CPU kernel are)")
     parser.add_argument("--verification", default="token",
                         choices=["token", "block", "drafter-invariant"],
                         help="how the verifier accepts sampled requests' drafts: token by token "
@@ -79,6 +82,7 @@ def stack_processes(args: argparse.Namespace, log_dir: Path, internal_token: str
     model = ["--model-dir", args.model_dir] if args.model_dir else []
     verifier = ["services.verifier", "--port", str(args.verifier_port), *model, *common,
                 "--threads", str(threads.verifier), "--verification", args.verification,
+                "--weights", args.weights,
                 "--hidden-layer-ids", "" if use_drafter else "none"]
     if use_drafter:
         verifier += ["--drafter-dir", str(drafter_dir)]

@@ -51,7 +51,8 @@ def build_servicer(config: VerifierServiceConfig, tracer):
     kv_tokens = config.kv_cache_tokens or kv_cache_tokens_for(
         device, model_dir, getattr(torch, config.dtype), CPU_KV_CACHE_TOKENS)
     runner = load_target(model_dir, hidden_layers(config), kv_cache_tokens=kv_tokens,
-                         device=device, dtype=config.dtype)
+                         device=device, dtype=config.dtype,
+                         weights=None if config.weights == "auto" else config.weights)
     if config.cost_table and Path(config.cost_table).exists():
         table = CostTable.load(config.cost_table)
     else:

@@ -155,14 +155,16 @@ def test_sweep_writes_one_row_per_policy_and_level(tmp_path):
     assert "### async_topk, 2 users" in (out / "round_kinds.md").read_text()
 
 
-def test_sweep_dtype_reaches_the_real_models_and_is_refused_for_tiny(tmp_path):
+def test_sweep_dtype_and_weights_reach_the_real_models_and_dtype_is_refused_for_tiny(tmp_path):
     import argparse
 
     from loadtest.sweep import choose_models
 
     args = argparse.Namespace(tiny=False, model_dir="", drafter_dir="", cost_table="",
-                              dtype="bfloat16", verifier_threads=0, drafter_threads=0)
-    assert choose_models(args, tmp_path).dtype == "bfloat16"
+                              dtype="bfloat16", weights="dense", verifier_threads=0,
+                              drafter_threads=0)
+    models = choose_models(args, tmp_path)
+    assert (models.dtype, models.weights) == ("bfloat16", "dense")
     cmd = [sys.executable, "-m", "dspark.cli", "loadtest", "--tiny", "--dtype", "bfloat16",
            "--out", str(tmp_path / "sweep")]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
@@ -176,7 +178,8 @@ def test_sweep_threads_reach_the_models_and_default_to_the_core_split(tmp_path):
     from loadtest.sweep import choose_models
 
     args = argparse.Namespace(tiny=False, model_dir="", drafter_dir="", cost_table="",
-                              dtype="float32", verifier_threads=0, drafter_threads=0)
+                              dtype="float32", weights="auto", verifier_threads=0,
+                              drafter_threads=0)
     real = choose_models(args, tmp_path)
     assert (real.verifier_threads, real.drafter_threads) == (0, 0)  # 0: split_cores decides
     args.verifier_threads, args.drafter_threads = 3, 2

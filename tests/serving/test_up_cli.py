@@ -51,6 +51,28 @@ def test_up_hands_the_verification_rule_to_the_verifier(tmp_path, rule):
     assert verifier_args[verifier_args.index("--verification") + 1] == rule
 
 
+@pytest.mark.parametrize("weights", ["auto", "q4", "dense"])
+def test_up_hands_the_weights_to_the_verifier_and_the_service_parses_them(tmp_path, weights):
+    from dspark.serving.config import VerifierServiceConfig, from_args
+    from dspark.serving.up_cli import stack_processes
+    from services.verifier.main import configure
+
+    procs = stack_processes(up_args(drafter_dir="none", weights=weights), tmp_path)
+    verifier_args = procs[0][0].module_args
+    assert verifier_args[verifier_args.index("--weights") + 1] == weights
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    config = from_args(VerifierServiceConfig, parser.parse_args(verifier_args[1:]))
+    assert config.weights == weights
+
+
+def test_the_verifier_service_refuses_unknown_weights():
+    from dspark.serving.config import VerifierServiceConfig
+
+    with pytest.raises(ValueError, match="weights must be auto or one of q4, dense"):
+        VerifierServiceConfig(weights="q5")
+
+
 def test_up_refuses_an_unknown_policy_before_starting_anything(tmp_path, capsys):
     from dspark.serving.up_cli import run
 

@@ -69,14 +69,14 @@ class DraftProcessing:
         vocabulary is the target's), target_ids [V_d] (target id of each draft id)."""
         R, V_d = len(requests), int(target_ids.shape[0])
         out = DraftProcessing(R, V_d, device)
+        host = None if target_to_draft is None else target_to_draft.cpu()  # [V], read once
 
         def draft_ids(ids: Sequence[int]) -> list[tuple[int, int]]:
             """(position in ids, draft id) of the target ids that are in the draft vocabulary."""
             ids_t = torch.tensor(list(ids), dtype=torch.int64)
-            if target_to_draft is None:
+            if host is None:
                 mapped = torch.where(ids_t < V_d, ids_t, -1)
             else:
-                host = target_to_draft.cpu()
                 mapped = torch.where(ids_t < host.shape[0], host[ids_t.clamp(max=host.shape[0] - 1)],
                                      -1)
             return [(i, int(d)) for i, d in enumerate(mapped.tolist()) if d >= 0]

@@ -32,6 +32,7 @@ from dspark.cost_table import CostTable
 from dspark.cpu_info import cpu_description
 from dspark.devices import resolve_device  # noqa: F401 (the services and CLIs import it here)
 from dspark.engine import AdmissionConfig, BatchingConfig, Engine, EngineConfig
+from dspark.models.drafter import DSparkDrafter
 from dspark.models.drafter_block_weights import DrafterWeights, use_block_weights
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.draft_types import Drafter
@@ -129,13 +130,16 @@ def choose_drafter_weights(weights: DrafterWeights | str | None, runner: TargetR
 def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
                         apply_calibration: bool = False,
                         dtype: torch.dtype | None = None,
-                        weights: DrafterWeights | str | None = None) -> AnyDrafter:
+                        weights: DrafterWeights | str | None = None,
+                        round_graphs: bool | None = None) -> AnyDrafter:
     """Load the drafter in `folder` onto the runner's device, with the runner's embedding and LM
     head, ready for inference (no autograd: see `FrozenTargetHead.pack_for_inference`), with
     `weights` (`choose_drafter_weights`; "q8": Q8_0 blocks, float32 activations), dense ones in
     `dtype` (default `drafter_dtype(runner)`). With
     `apply_calibration`, the folder's STS temperatures (if any) are applied to the confidences
-    it returns; evaluation and calibration keep them raw (the default).
+    it returns; evaluation and calibration keep them raw (the default). `round_graphs`: a DSpark
+    or DFlash drafter drafts over static per-bucket buffers, as CUDA graphs on CUDA
+    (`DSparkDrafter.use_round_graphs`); None: on for CUDA, off elsewhere.
     """
     weights = choose_drafter_weights(weights, runner, dtype)
     if weights is DrafterWeights.Q8:
@@ -164,6 +168,10 @@ def load_method_drafter(folder: str | Path, runner: TargetRunner, *,
         use_block_weights(drafter)  # a hidden size that is not whole blocks: ValueError
     else:
         drafter.pack_for_inference()  # a CPU: oneDNN-packed products (no-op elsewhere)
+    if isinstance(drafter, DSparkDrafter):  # the Eagle-style drafter's chain has no graphs
+        drafter.use_round_graphs(round_graphs)
+    elif round_graphs:
+        raise ValueError(f"{folder}: round graphs need a DSpark or DFlash drafter")
     return drafter
 
 

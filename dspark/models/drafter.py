@@ -30,9 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.context_kv_cache import ContextKVCache, RequestContext, gather_padded
+from dspark.models.draft_graph_runner import DraftGraphRunner
 from dspark.models.draft_processing import DraftProcessing
-from dspark.models.draft_sampling import (assemble_blocks, draft_uniforms, plan_rows,
-                                          position_noise, sample_block_position)
+from dspark.models.draft_sampling import (PositionSample, RowPlan, assemble_blocks,
+                                          draft_uniforms, plan_rows, position_noise,
+                                          sample_block_position)
 from dspark.models.draft_types import (BlockTrainOutputs, DraftBlock, DraftRequest,
                                        positions_to_draft)
 from dspark.models.drafter_config import DrafterConfig, SequentialHead
@@ -65,6 +67,9 @@ class FrozenTargetHead(nn.Module):
         draft vocabulary (ascending target ids [V_d]) when it is reduced."""
         cfg = self.config
         self.packed_lm_head = None  # packed from the old weights, if packed: pack again
+        graphs = getattr(self, "round_graphs", None)
+        if graphs is not None:
+            graphs.clear()  # captured over the old weights
         self.lm_head_blocks = None  # the same for the Q8_0 blocks (drafter_block_weights)
         assert embed_weight.shape == (cfg.vocab_size, cfg.hidden_size), embed_weight.shape
         assert lm_head_weight.shape == (cfg.vocab_size, cfg.hidden_size), lm_head_weight.shape
@@ -174,6 +179,8 @@ class DSparkDrafter(FrozenTargetHead):
         self._cache = ContextKVCache()
         self.context_attention: ContextAttention | None = None
         """How drafting attends to the cached contexts; None: by the device (`ContextAttention`)."""
+        self.round_graphs: DraftGraphRunner | None = None
+        """The drafting round over static per-bucket buffers (`use_round_graphs`); None: eager."""
         # Context tokens not yet projected into the cache, per request: (features [n, m * hidden],
         # positions [n]) in arrival order (see append_context).
         self._pending: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -229,6 +236,16 @@ class DSparkDrafter(FrozenTargetHead):
         rows = [min(range(len(temps)), key=lambda i: (abs(temps[i] - r.sampling.temperature), i))
                 for r in requests]
         return torch.tensor(rows, dtype=torch.int64, device=self.confidence_temperatures.device)
+
+    def use_round_graphs(self, enabled: bool | None = None) -> None:
+        """Draft over static per-bucket buffers (`dspark.models.draft_graph_runner`), captured as
+        CUDA graphs on CUDA and run eagerly elsewhere; enabled None: on for CUDA, off elsewhere
+        (a CPU gains nothing from the padding and the context copies). False: the eager path.
+        Call after `set_target_weights` (which drops graphs captured over the old weights)."""
+        device = self.fc.weight.device
+        if enabled is None:
+            enabled = device.type == "cuda"
+        self.round_graphs = DraftGraphRunner(self, device.type == "cuda") if enabled else None
 
     # ---- the parallel backbone ---------------------------------------------------------------
 
@@ -384,6 +401,40 @@ class DSparkDrafter(FrozenTargetHead):
                         self.embed_weight.new_zeros(self.config.hidden_size))
         return torch.stack(rows)
 
+    def block_input(self, anchor_tok: torch.Tensor, anchor_pos: torch.Tensor,
+                    last_hidden: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The blocks' input: anchor_tok/anchor_pos [R] int64, last_hidden [R, hidden] (H_ctx
+        before each anchor, with inject_last_context) -> x [R, gamma, hidden] (embeddings of
+        the anchor and gamma - 1 mask tokens), cos/sin [R, gamma, head_dim]."""
+        cfg, gamma = self.config, self.gamma
+        R = anchor_tok.shape[0]
+        block_ids = torch.full((R, gamma), cfg.mask_token_id, dtype=torch.int64,
+                               device=anchor_tok.device)
+        block_ids[:, 0] = anchor_tok
+        block_pos = anchor_pos.unsqueeze(1) + torch.arange(gamma, device=anchor_pos.device)  # [R, gamma]
+        x = F.embedding(block_ids, self.embed_weight)  # [R, gamma, hidden]
+        if cfg.inject_last_context:
+            x = x + last_hidden.unsqueeze(1)
+        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, self.fc.weight.dtype)
+        return x, cos, sin
+
+    def padded_backbone(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                        anchor_pos: torch.Tensor) -> torch.Tensor:
+        """The layers over the blocks x [R, gamma, hidden] with the contexts side by side:
+        keys/values [num_layers, R, kv_heads, L + gamma, head_dim] (the last gamma slots receive
+        the block's own), positions [R, L] (padding slots at a position no anchor reaches),
+        anchor_pos [R]. Returns the last layer's x [R, gamma, hidden]."""
+        R, gamma, _ = x.shape
+        L = positions.shape[1]
+        context_visible = positions < anchor_pos.unsqueeze(1)  # [R, L]: padding never is
+        mask = torch.cat([context_visible.unsqueeze(1).expand(R, gamma, L),
+                          context_visible.new_ones(R, gamma, gamma)], dim=2)  # [R, gamma, L + gamma]
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_padded(x, cos, sin, keys[i], values[i], mask)
+        return x
+
     def _cached_backbone(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          contexts: Sequence[RequestContext], requests: Sequence[DraftRequest],
                          anchor_pos: torch.Tensor) -> torch.Tensor:
@@ -401,66 +452,20 @@ class DSparkDrafter(FrozenTargetHead):
         # keys/values [num_layers, R, kv_heads, L_max + gamma, head_dim]; positions [R, L_max]
         keys, values, positions = gather_padded(contexts, len(self.layers), cfg.num_key_value_heads,
                                                 cfg.head_dim, x.dtype, x.device, extra_slots=gamma)
-        R, L = positions.shape
-        context_visible = positions < anchor_pos.unsqueeze(1)  # [R, L]: padding never is
-        mask = torch.cat([context_visible.unsqueeze(1).expand(R, gamma, L),
-                          context_visible.new_ones(R, gamma, gamma)], dim=2)  # [R, gamma, L + gamma]
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_padded(x, cos, sin, keys[i], values[i], mask)
-        return x
+        return self.padded_backbone(x, cos, sin, keys, values, positions, anchor_pos)
 
-    @torch.no_grad()
-    def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
-              num_positions: int | None = None) -> list[DraftBlock]:
-        """Draft one block for each request in one backbone pass.
-
-        sparse_top_k: if set, every sampled request draws from its top-k-truncated distribution
-        and gets it back sparse (lossless: p^d is reported exactly). Greedy requests are always
-        returned sparse with k = 1; requests with a top_k sampling parameter are sparse too.
-        num_positions: sample only the first n positions (the LM head and the sequential head
-        run n times instead of gamma). The backbone still runs over the whole block, whose input
-        (anchor + masks) every position attends to, so the n positions are exactly those of the
-        whole block; each request's generator advances by gamma uniforms either way.
-        """
-        self._check_ready()
-        if not requests:
-            return []
-        cfg, gamma = self.config, self.gamma
-        n = positions_to_draft(num_positions, gamma)
-        device, dtype = self.fc.weight.device, self.fc.weight.dtype
-        R = len(requests)
-        self._absorb_pending([r.request_id for r in requests])
-        contexts = []
-        for r in requests:  # a request with no context yet gets an empty, unstored one
-            ctx = self._cache.get(r.request_id) or RequestContext(
-                len(self.layers), cfg.num_key_value_heads, cfg.head_dim, dtype, device, gamma,
-                cfg.hidden_size if cfg.inject_last_context else 0)
-            ctx.reserve(ctx.length + gamma)
-            contexts.append(ctx)
-        anchor_tok = torch.tensor([r.anchor_token for r in requests], dtype=torch.int64, device=device)
-        anchor_pos = torch.tensor([r.anchor_position for r in requests], dtype=torch.int64,
-                                  device=device)
-        block_ids = torch.full((R, gamma), cfg.mask_token_id, dtype=torch.int64, device=device)
-        block_ids[:, 0] = anchor_tok
-        block_pos = anchor_pos.unsqueeze(1) + torch.arange(gamma, device=device)  # [R, gamma]
-        x = F.embedding(block_ids, self.embed_weight)  # [R, gamma, hidden]
-        if cfg.inject_last_context:
-            x = x + self._last_context_states(contexts, requests).unsqueeze(1)
-        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, dtype)
-        x = self._cached_backbone(x, cos, sin, contexts, requests, anchor_pos)
-        hn = self.norm(x)[:, :n]  # [R, n, hidden]
-        base = self.base_logits(hn)  # [R, n, V_d]
-
-        plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
-        uniforms = None if plan.all_greedy else draft_uniforms(requests, gamma, device)  # [R, gamma]
-        reduced = cfg.draft_vocab_size is not None
-        target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
-                      else torch.arange(self.draft_vocab_size, device=device))
-        processing = DraftProcessing.plan(requests, self.target_to_draft if reduced else None,
-                                          target_ids, device)
-        rows = self._calibration_rows(requests)
-        conf_t = self.confidence_temperatures[0 if rows is None else rows]  # [gamma] or [R, gamma]
-        conf_b = self.confidence_biases[0 if rows is None else rows]
+    def draw_positions(self, hn: torch.Tensor, base: torch.Tensor, anchor_tok: torch.Tensor,
+                       plan: RowPlan, uniforms: torch.Tensor | None,
+                       processing: DraftProcessing | None, n: int,
+                       target_ids: torch.Tensor | None = None
+                       ) -> tuple[list[PositionSample], torch.Tensor | None]:
+        """The sequential head's chain over block positions 1..n: hn [R, >= n, hidden], base
+        logits [R, >= n, V_d], anchor_tok [R] target ids, uniforms [R, gamma] (None: all
+        greedy), target_ids [V_d] (for Gumbel noise; None where no row drafts by Gumbel-max).
+        Returns the n positions' samples and W1[x_{k-1}] [R, n, r] (None without a Markov or
+        RNN head)."""
+        R = hn.shape[0]
+        reduced = self.config.draft_vocab_size is not None
         prev = anchor_tok  # target ids
         state = (self.markov_head.initial_state((R,), hn)
                  if self.markov_head is not None else None)
@@ -481,14 +486,91 @@ class DSparkDrafter(FrozenTargetHead):
                 processing.advance(prev)
         if processing is not None:
             processing.finish()
-        # c_k reads norm(h_k) and W1[x_{k-1}], never x_k: one product for every position, after
-        # the loop that drew them, instead of one a position.
-        w1_block = torch.stack(w1_prevs, dim=1) if w1_prevs else None  # [R, n, r]
+        return samples, (torch.stack(w1_prevs, dim=1) if w1_prevs else None)
+
+    def calibrated_confidences(self, hn: torch.Tensor, w1_block: torch.Tensor | None,
+                               conf_t: torch.Tensor, conf_b: torch.Tensor) -> torch.Tensor:
+        """c_k for hn [R, n, hidden] and W1[x_{k-1}] [R, n, r], under the STS fits conf_t /
+        conf_b ([gamma] or [R, gamma]): [R, n] float32 (NaN without a confidence head).
+
+        c_k reads norm(h_k) and W1[x_{k-1}], never x_k: one product for every position, after
+        the chain that drew them, instead of one a position."""
+        R, n = hn.shape[:2]
         conf_logits = self._confidence_logits(hn, w1_block)  # [R, n]
         if conf_logits is None:
-            confidences = torch.full((R, n), float("nan"), device=device)
+            return torch.full((R, n), float("nan"), device=hn.device)
+        return torch.sigmoid(conf_logits / conf_t[..., :n] + conf_b[..., :n])
+
+    @torch.no_grad()
+    def draft(self, requests: Sequence[DraftRequest], sparse_top_k: int | None = None,
+              num_positions: int | None = None) -> list[DraftBlock]:
+        """Draft one block for each request in one backbone pass.
+
+        sparse_top_k: if set, every sampled request draws from its top-k-truncated distribution
+        and gets it back sparse (lossless: p^d is reported exactly). Greedy requests are always
+        returned sparse with k = 1; requests with a top_k sampling parameter are sparse too.
+        num_positions: sample only the first n positions (the LM head and the sequential head
+        run n times instead of gamma). The backbone still runs over the whole block, whose input
+        (anchor + masks) every position attends to, so the n positions are exactly those of the
+        whole block; each request's generator advances by gamma uniforms either way.
+
+        With `round_graphs` set and at most the largest batch bucket of requests, the round runs
+        over its static buffers (`dspark.models.draft_graph_runner`: CUDA graphs on CUDA).
+        """
+        self._check_ready()
+        if not requests:
+            return []
+        cfg, gamma = self.config, self.gamma
+        n = positions_to_draft(num_positions, gamma)
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        R = len(requests)
+        self._absorb_pending([r.request_id for r in requests])
+        contexts = []
+        for r in requests:  # a request with no context yet gets an empty, unstored one
+            ctx = self._cache.get(r.request_id) or RequestContext(
+                len(self.layers), cfg.num_key_value_heads, cfg.head_dim, dtype, device, gamma,
+                cfg.hidden_size if cfg.inject_last_context else 0)
+            ctx.reserve(ctx.length + gamma)
+            contexts.append(ctx)
+        plan = plan_rows(requests, self.draft_vocab_size, sparse_top_k, device)
+        reduced = cfg.draft_vocab_size is not None
+        target_ids = (self.draft_to_target if reduced  # [V_d]: the target id of each draft id
+                      else torch.arange(self.draft_vocab_size, device=device))
+        processing = DraftProcessing.plan(requests, self.target_to_draft if reduced else None,
+                                          target_ids, device)
+        rows = self._calibration_rows(requests)
+        conf_t = self.confidence_temperatures[0 if rows is None else rows]  # [gamma] or [R, gamma]
+        conf_b = self.confidence_biases[0 if rows is None else rows]
+        last_hidden = (self._last_context_states(contexts, requests)  # [R, hidden]
+                       if cfg.inject_last_context else None)
+
+        graphs = self.round_graphs
+        if graphs is not None and graphs.fits(R):
+            greedy_chain = plan.all_greedy and processing is None
+            out = graphs.run(contexts, [r.anchor_token for r in requests],
+                             [r.anchor_position for r in requests], last_hidden, conf_t, conf_b,
+                             greedy_chain, n)
+            if greedy_chain:
+                ones = out.confidences.new_ones(R, 1)
+                samples = [PositionSample(out.tokens[:, k], out.tokens[:, k: k + 1], ones, None)
+                           for k in range(n)]
+                return assemble_blocks(plan, samples, out.confidences,
+                                       self.draft_to_target if reduced else None)
+            hn, base, anchor_tok = out.hn[:, :n], out.base[:, :n], out.anchor_tokens
         else:
-            confidences = torch.sigmoid(conf_logits / conf_t[..., :n] + conf_b[..., :n])
+            anchor_tok = torch.tensor([r.anchor_token for r in requests], dtype=torch.int64,
+                                      device=device)
+            anchor_pos = torch.tensor([r.anchor_position for r in requests], dtype=torch.int64,
+                                      device=device)
+            x, cos, sin = self.block_input(anchor_tok, anchor_pos, last_hidden)
+            x = self._cached_backbone(x, cos, sin, contexts, requests, anchor_pos)
+            hn = self.norm(x)[:, :n]  # [R, n, hidden]
+            base = self.base_logits(hn)  # [R, n, V_d]
+
+        uniforms = None if plan.all_greedy else draft_uniforms(requests, gamma, device)  # [R, gamma]
+        samples, w1_block = self.draw_positions(hn, base, anchor_tok, plan, uniforms, processing,
+                                                n, target_ids)
+        confidences = self.calibrated_confidences(hn, w1_block, conf_t, conf_b)  # [R, n]
         return assemble_blocks(plan, samples, confidences,
                                self.draft_to_target if reduced else None)
 

@@ -30,7 +30,7 @@ The LM head runs outside the graph, over the rows that need logits only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +41,8 @@ from dspark.models.transformer import AttentionImpl, FlatBatch
 if TYPE_CHECKING:
     from dspark.models.runner import ForwardItem, ForwardOutput, TargetRunner
 
-__all__ = ["GraphRunner", "BATCH_BUCKETS", "SCRATCH_ID", "batch_bucket", "table_bucket"]
+__all__ = ["GraphRunner", "BATCH_BUCKETS", "SCRATCH_ID", "batch_bucket", "capture_graph",
+           "table_bucket"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Batch sizes a graph is captured for; a forward of more requests runs the ordinary path."""
@@ -195,15 +196,26 @@ class GraphRunner:
             bucket.h, bucket.hidden = self._body(bucket)
             return
         if bucket.graph is None:
-            # Warm up on a side stream (lazy initialisation, allocator), then capture. Both write
-            # this forward's keys and values, as the replay below does again: the same values.
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._body(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # The warm-up and the capture write this forward's keys and values, as the replay
+            # below does again: the same values.
+            def body() -> None:
                 bucket.h, bucket.hidden = self._body(bucket)
-            bucket.graph = graph
+
+            bucket.graph = capture_graph(body, self.pool)
         bucket.graph.replay()
+
+
+def capture_graph(body: Callable[[], None], pool: tuple[int, int] | None) -> torch.cuda.CUDAGraph:
+    """`body` (a function that writes its outputs where its caller keeps them) run once on a side
+    stream (lazy initialisation, the allocator's warm-up), then captured into a CUDA graph over
+    the memory pool `pool`. The graph is not replayed yet; the outputs `body` kept point into
+    the pool, and the replays write them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph

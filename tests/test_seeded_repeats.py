@@ -109,3 +109,21 @@ def test_a_seed_on_a_greedy_request_leaves_async_topk_its_own_decisions(varied_t
     assert drafts_verified(SamplingParams(temperature=0.0)) == 0
     assert drafts_verified(SamplingParams(temperature=0.0, seed=1234)) == 0
     assert drafts_verified(SEEDED) > 0
+
+
+@pytest.mark.parametrize("policy", ["async_topk", "fixed:7"])
+def test_a_seeded_request_repeats_with_the_drafters_round_graphs(varied_target, policy):
+    """The drafter's round on its static per-bucket buffers (dspark.models.draft_graph_runner,
+    the CUDA default, run eagerly here): the seeded request's uniforms are still drawn outside
+    the captured part, keyed by its seed and anchors, so it repeats alone (batch bucket 1) and
+    among 7 others (bucket 8)."""
+    outputs = []
+    for repeat in range(3):
+        for others in (0, 7):
+            engine = make_engine(varied_target, policy, seed=0)
+            engine.drafter.use_round_graphs(True)
+            torch.manual_seed(repeat)
+            outputs.append(seeded_output(engine, others, repeat))
+            assert engine.drafter.round_graphs.rounds > 0
+    assert len(outputs[0]) == MAX_TOKENS
+    assert all(o == outputs[0] for o in outputs), [o[:12] for o in outputs]

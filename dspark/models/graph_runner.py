@@ -21,8 +21,14 @@ Glossary
 Why the rows line up: with every query length Q, the PADDED attention's causal limit of row i of
 a request whose context is c tokens (cached + new) is c - Q + i. For real row i = Q - q + j that
 is c - q + j, the real token's own position; a padding row sees a prefix of the context (its
-limit is clamped to 0 at least, `padded_attention`) and its output is dropped. Only the PADDED
-attention (the CUDA default) is graphed: its shapes follow (B, Q, W) alone.
+limit is clamped to 0 at least, `padded_attention`) and its output is dropped. The Triton
+kernel (`triton_paged_attention`) places a request's rows the same way (row i of Q at position
+c - Q + i; a row that sees nothing gives zeros): its launch grid is (B, heads, Q / rows a
+program), and it reads the block tables, query starts and context lengths from the device, so
+it is graphed as well. The PADDED attention (the CUDA default) and TRITON are graphed
+(`GRAPHED_ATTENTION`): their shapes follow (B, Q, W) alone. FLEX is not: its kernel is
+compiled by torch.compile, which a CPU runs as a dense reference of other code, so a graphed
+FLEX could not be checked here.
 
 The LM head runs outside the graph, over the rows that need logits only.
 """
@@ -41,8 +47,11 @@ from dspark.models.transformer import AttentionImpl, FlatBatch
 if TYPE_CHECKING:
     from dspark.models.runner import ForwardItem, ForwardOutput, TargetRunner
 
-__all__ = ["GraphRunner", "BATCH_BUCKETS", "SCRATCH_ID", "batch_bucket", "capture_graph",
-           "table_bucket"]
+__all__ = ["GraphRunner", "BATCH_BUCKETS", "GRAPHED_ATTENTION", "SCRATCH_ID", "batch_bucket",
+           "capture_graph", "table_bucket"]
+
+GRAPHED_ATTENTION = (AttentionImpl.PADDED, AttentionImpl.TRITON)
+"""The attentions whose forwards run over the static buckets (see the module's docstring)."""
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Batch sizes a graph is captured for; a forward of more requests runs the ordinary path."""
@@ -75,7 +84,7 @@ class _Bucket:
     block tables, query starts, query lengths, context lengths, in that order."""
     batch: FlatBatch
     """Views of `metadata`; its host lists hold the bucket's bounds (every query Q rows, every
-    context at most W blocks), which is all the PADDED attention reads of them."""
+    context at most W blocks), which is all the PADDED and TRITON attentions read of them."""
     h: torch.Tensor | None = None
     """[B * Q, hidden_size]: the last layer's output of the latest run."""
     hidden: torch.Tensor | None = None
@@ -87,8 +96,9 @@ class GraphRunner:
     """Decode and verification forwards of a `TargetRunner` over static per-bucket buffers."""
 
     def __init__(self, runner: TargetRunner, rows_per_request: int, capture: bool) -> None:
-        if runner.attention is not AttentionImpl.PADDED:
-            raise ValueError(f"graphed forwards need the PADDED attention, not {runner.attention.value}")
+        if runner.attention not in GRAPHED_ATTENTION:
+            raise ValueError(f"graphed forwards need the PADDED or TRITON attention, not "
+                             f"{runner.attention.value}")
         if rows_per_request <= 0:
             raise ValueError(f"rows_per_request must be positive, got {rows_per_request}")
         self.runner = runner

@@ -25,7 +25,7 @@ import torch
 
 from dspark.models.config import ModelConfig
 from dspark.models.gguf_blocks import check_against_dense, find_gguf, read_block_weights
-from dspark.models.graph_runner import GraphRunner
+from dspark.models.graph_runner import GRAPHED_ATTENTION, GraphRunner
 from dspark.models.kv_cache import KVCacheFull, PagedKVCache, RequestId
 from dspark.models.loader import load_model, resolve_dtype
 from dspark.models.packed_linear import packing_available
@@ -85,8 +85,8 @@ class RunnerConfig:
 
     cuda_graphs: bool | None = None
     """Decode and verification forwards over static per-bucket buffers, captured as CUDA graphs
-    on CUDA and run eagerly elsewhere (`dspark.models.graph_runner`); they need the PADDED
-    attention. None: on for CUDA with PADDED, off elsewhere."""
+    on CUDA and run eagerly elsewhere (`dspark.models.graph_runner`); they need the PADDED or
+    the TRITON attention. None: on for CUDA with either, off elsewhere."""
     graph_rows_per_request: int = 8
     """A graphed forward's rows a request: gamma + 1 (the shipped drafter's block of 7, plus 1)."""
 
@@ -201,7 +201,7 @@ class TargetRunner:
             zeroed=self.attention is AttentionImpl.FLEX)  # FlexAttention multiplies unwritten slots by 0
         graphs = config.cuda_graphs
         if graphs is None:
-            graphs = self.device.type == "cuda" and self.attention is AttentionImpl.PADDED
+            graphs = self.device.type == "cuda" and self.attention in GRAPHED_ATTENTION
         self.graphs = (GraphRunner(self, config.graph_rows_per_request, self.device.type == "cuda")
                        if graphs else None)
 

@@ -19,9 +19,9 @@ from loadtest.tiny_models import GAMMA, LAYER_IDS
 from ..conftest import tiny_dspark
 
 
-def make_runner(folder, graphs: bool) -> TargetRunner:
+def make_runner(folder, graphs: bool, attention: AttentionImpl = AttentionImpl.PADDED) -> TargetRunner:
     return TargetRunner(folder, RunnerConfig(
-        hidden_layer_ids=LAYER_IDS, kv_cache_tokens=4096, block_size=4, attention=AttentionImpl.PADDED,
+        hidden_layer_ids=LAYER_IDS, kv_cache_tokens=4096, block_size=4, attention=attention,
         cpu_packed_weights=False, cuda_graphs=graphs, graph_rows_per_request=GAMMA + 1))
 
 
@@ -30,14 +30,16 @@ def test_buckets():
     assert [table_bucket(n) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
 
 
-def test_static_path_equals_the_ordinary_forward(tiny_target):
+@pytest.mark.parametrize("attention", [AttentionImpl.PADDED, AttentionImpl.TRITON])
+def test_static_path_equals_the_ordinary_forward(tiny_target, attention):
     """Prompts (more than Q tokens: the ordinary path), then decode and verification-like
     forwards of 1, 3 and 5 requests (buckets 1, 4, 8) with 1 to Q new tokens each (a decode
     step of one token a request among them), contexts
     growing across table widths: logits and hidden states equal the ordinary path's, the cache
-    ends up the same, and the scratch block stays out of every request."""
+    ends up the same, and the scratch block stays out of every request. TRITON: the kernel under
+    Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py), the same code a GPU runs."""
     folder, _ = tiny_target
-    plain, graphed = make_runner(folder, False), make_runner(folder, True)
+    plain, graphed = make_runner(folder, False, attention), make_runner(folder, True, attention)
     assert plain.graphs is None and graphed.graphs is not None
     Q = GAMMA + 1
     g = torch.Generator().manual_seed(0)

@@ -17,7 +17,10 @@ Run 2 (`--run 2`):
   (e) the attention implementations side by side (bench/attention_backends.py: padded SDPA,
       FlexAttention, the Triton kernel; pass times and the difference from the reference);
   (f) target-only greedy decoding with CUDA graphs (RunnerConfig.cuda_graphs) and without, at 1
-      stream and the largest of `--streams`: tokens/s, the ratio, the same tokens or not.
+      stream and the largest of `--streams`: tokens/s, the ratio, the same tokens or not;
+  (g) the drafter's round captured and replayed (DSparkDrafter.use_round_graphs) against the
+      eager batched round: the same drafts or not (float32), ms a round each, and DSpark
+      `fixed:K` through the engine with the drafter's graphs and without.
 Every figure is written with the device name and the torch and CUDA versions beside it:
 `--out`/gpu.json and `--out`/gpu.md (docs/results/ when committed).
 
@@ -27,7 +30,7 @@ the tracked files the check does not run); on the machine `run1 --payload .gpu/c
 checks and stashes its part (outside the repository, /tmp/dspark-payload; the drafter joined and
 decompressed) and runs the smoke round, and `run2 --payload .gpu/check/part2` stashes the last
 part, assembles the target (digests, chunks joined, the GGUF converted, tensors compared) and
-runs (a) to (d) and (f); `stash --payload partK` carries a middle part where a payload needs
+runs (a) to (d), (f) and (g); `stash --payload partK` carries a middle part where a payload needs
 more than two. docs/gpu.md, "Prepared device check", has the commands;
 tests/test_gpu_payload.py rehearses them on the CPU.
 
@@ -151,8 +154,9 @@ def chat_ids(tokenizer, record: dict) -> list[int]:
 
 
 def build(models: Models, device: str, dtype: str, policy: str, max_running: int,
-          target_dir: Path | None = None):
-    """The embedded engine; the cost table measured here (never a CPU table on a GPU)."""
+          target_dir: Path | None = None, round_graphs: bool | None = None):
+    """The embedded engine; the cost table measured here (never a CPU table on a GPU);
+    round_graphs: the drafter's (load_method_drafter; None: on for CUDA)."""
     from dspark.cost_table import CostTable
     from dspark.engine import Engine, EngineConfig
     from dspark.loading import load_method_drafter, load_target
@@ -164,8 +168,8 @@ def build(models: Models, device: str, dtype: str, policy: str, max_running: int
     layers = tuple(DrafterConfig.load(models.drafter).target_layer_ids)
     runner = load_target(target_dir or models.target, layers, kv_cache_tokens=max_running * 2048,
                          device=device, dtype=dtype)
-    drafter = load_method_drafter(models.drafter, runner, apply_calibration=True) \
-        if use_drafter else None
+    drafter = load_method_drafter(models.drafter, runner, apply_calibration=True,
+                                  round_graphs=round_graphs) if use_drafter else None
     key = (str(target_dir or models.target), device, dtype)
     if key not in _TABLES:
         _TABLES[key] = startup_cost_table(runner).to_dict()
@@ -450,6 +454,116 @@ def graphed_decode(models: Models, device: str, dtype: str, args, deadline: floa
         rows[f"streams={streams} graphs / eager"] = round(rates[True] / rates[False], 3)
         rows[f"streams={streams} same tokens"] = outputs[True] == outputs[False]
     rows["ok"] = all(v for k, v in rows.items() if k.endswith("same tokens"))
+    return rows
+
+
+def graphed_draft_round(models: Models, device: str, dtype: str, args, deadline: float) -> dict:
+    """The drafter's round over its static buffers (DSparkDrafter.use_round_graphs: captured and
+    replayed as CUDA graphs on CUDA, run eagerly elsewhere) against the eager BATCHED round.
+    Rounds alone, on the same contexts (random target features, 60 to 250 tokens): at 1, 8 and
+    the largest of `--streams` requests, greedy and seeded T=1, in float32 with TF32 off the
+    same tokens or not and the largest differences of probabilities and confidences, and in
+    `dtype` the milliseconds a round each and the ratio. Then DSpark (`fixed:K`) greedy through
+    the engine with the drafter's graphs and without, at 1 stream and the largest: tokens/s, the
+    ratio, the same tokens or not."""
+    from dspark.loading import load_method_drafter, load_target
+    from dspark.models.draft_types import DraftRequest
+    from dspark.models.drafter import ContextAttention
+    from dspark.models.drafter_config import DrafterConfig
+    from dspark.sampling import SamplingParams
+
+    config = DrafterConfig.load(models.drafter)
+    layers = tuple(config.target_layer_ids)
+    sizes = sorted({1, min(8, max(args.streams)), min(64, max(args.streams))})
+    rows: dict = {}
+    cuda = torch.device(device).type == "cuda"
+    reps = 20 if cuda else 2  # rounds timed (a CPU rehearsal only checks that the phase runs)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def drafters(run_dtype: str):
+        runner = load_target(models.target, layers, kv_cache_tokens=256, device=device,
+                             dtype=run_dtype)
+        pair = {}
+        for graphs in (False, True):
+            d = load_method_drafter(models.drafter, runner, apply_calibration=True,
+                                    round_graphs=graphs)
+            d.context_attention = ContextAttention.BATCHED
+            g = torch.Generator().manual_seed(0)
+            width = len(layers) * config.hidden_size
+            for i in range(max(sizes)):
+                n = 60 + (37 * i) % 190
+                d.append_context(i, torch.randn(n, width, generator=g).to(device), torch.arange(n))
+            pair[graphs] = d
+        return runner, pair
+
+    def requests(count: int, temperature: float, vocab: int):
+        return [DraftRequest(i, (7 * i + 3) % vocab, 60 + (37 * i) % 190,
+                             SamplingParams(temperature, seed=100 + i)) for i in range(count)]
+
+    with tf32_off():
+        runner, pair = drafters("float32")
+        vocab = runner.vocab_size
+        same_greedy = True
+        for count in sizes:
+            for temperature in (0.0, 1.0):
+                if time.monotonic() > deadline:
+                    rows["stopped"] = "budget spent"
+                    return rows
+                for d in pair.values():  # the first round of a bucket captures its graph
+                    d.draft(requests(count, temperature, vocab))
+                blocks = {g: d.draft(requests(count, temperature, vocab)) for g, d in pair.items()}
+                same = sum(torch.equal(a.tokens, b.tokens) for a, b in zip(blocks[False], blocks[True]))
+                probs = max(float((a.dense(vocab) - b.dense(vocab)).abs().max())
+                            for a, b in zip(blocks[False], blocks[True]))
+                conf = max(float((a.confidences - b.confidences).abs().max())
+                           for a, b in zip(blocks[False], blocks[True]))
+                key = f"float32 requests={count} T={temperature}"
+                rows[f"{key} same tokens"] = f"{same}/{count}"
+                rows[f"{key} max |diff| probs, confidences"] = f"{probs:.1e}, {conf:.1e}"
+                same_greedy &= temperature > 0 or same == count
+        del runner, pair
+    rows["ok"] = same_greedy
+    runner, pair = drafters(dtype)
+    for count in sizes:
+        for temperature in (0.0, 1.0):
+            if time.monotonic() > deadline:
+                rows["stopped"] = "budget spent"
+                return rows
+            ms = {}
+            for graphs, d in pair.items():
+                batch = requests(count, temperature, runner.vocab_size)
+                d.draft(batch)  # warm-up: the bucket's graph captured
+                sync()
+                start = time.perf_counter()
+                for _ in range(reps):
+                    d.draft(batch)
+                sync()
+                ms[graphs] = (time.perf_counter() - start) / reps * 1e3
+            key = f"{dtype} requests={count} T={temperature}"
+            rows[f"{key} ms a round eager, graphs"] = f"{ms[False]:.3f}, {ms[True]:.3f}"
+            rows[f"{key} eager / graphs"] = round(ms[False] / ms[True], 3)
+    rows["graphed buckets"] = len(pair[True].round_graphs.buckets)
+    del runner, pair
+    policy = f"fixed:{args.fixed_k}"
+    for streams in sorted({1, max(args.streams)}):
+        outputs, rates = {}, {}
+        for graphs in (False, True):
+            if time.monotonic() > deadline:
+                rows["stopped"] = "budget spent"
+                return rows
+            engine = build(models, device, dtype, policy, streams, round_graphs=graphs)
+            engine.drafter.context_attention = ContextAttention.BATCHED
+            prompts = models.prompts[:streams]
+            generate(engine, prompts, 0.0, 4)  # warm-up
+            outputs[graphs], seconds = generate(engine, prompts, 0.0, args.max_tokens)
+            rates[graphs] = sum(map(len, outputs[graphs])) / seconds
+        key = f"engine {policy} streams={streams}"
+        rows[f"{key} tokens/s eager, graphs"] = f"{rates[False]:.1f}, {rates[True]:.1f}"
+        rows[f"{key} graphs / eager"] = round(rates[True] / rates[False], 3)
+        rows[f"{key} same tokens"] = outputs[True] == outputs[False]
     return rows
 
 
@@ -744,11 +858,13 @@ def device_run(which: str, argv: list[str]) -> int:
                   ("(a) exactness", 0.16, lambda d: exactness(need_models(), device, args)),
                   ("(b) T=1 distribution", 0.1,
                    lambda d: distribution(need_models(), device, dtype, args)),
-                  ("(c) tokens/s", 0.28, lambda d: speed(need_models(), device, dtype, args, d)),
+                  ("(c) tokens/s", 0.22, lambda d: speed(need_models(), device, dtype, args, d)),
                   ("(d) services in process", 0.15,
                    lambda d: services(need_models(), device, dtype, args)),
                   ("(f) graphed decode", 0.06,
-                   lambda d: graphed_decode(need_models(), device, dtype, args, d))]
+                   lambda d: graphed_decode(need_models(), device, dtype, args, d)),
+                  ("(g) graphed drafter round", 0.06,
+                   lambda d: graphed_draft_round(need_models(), device, dtype, args, d))]
     run_phases(results, phases, outs, total)
     results["environment"] = environment(device)  # with the carried wheels' versions
     for folder in outs:
@@ -792,7 +908,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                         args)),
                    ("(e) attention backends", 0.1, lambda d: attention_backends(device, args, d)),
                    ("(f) graphed decode", 0.1, lambda d: graphed_decode(models, device, dtype,
-                                                                        args, d))]
+                                                                        args, d)),
+                   ("(g) graphed drafter round", 0.05,
+                    lambda d: graphed_draft_round(models, device, dtype, args, d))]
     run_phases(results, phases, args.out, total)
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     print(json.dumps(results, indent=2))

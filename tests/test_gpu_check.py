@@ -31,6 +31,9 @@ def test_the_device_check_rehearses_on_the_cpu(tmp_path):
     assert set(attention.get("fastest", {}).values()) <= {"paged", "padded"}, attention
     graphed = results["(f) graphed decode"]
     assert graphed["ok"] and graphed["streams=2 graphed forwards"] > 0, graphed
+    drafter = results["(g) graphed drafter round"]
+    assert drafter["ok"] and drafter["graphed buckets"] > 0, drafter
+    assert drafter["engine fixed:7 streams=2 same tokens"], drafter
     table = (tmp_path / "gpu.md").read_text()
     assert f"torch {results['environment']['torch']}" in table
 

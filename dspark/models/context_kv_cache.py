@@ -12,8 +12,9 @@ from typing import Hashable, Sequence
 
 import torch
 
-# Position given to padding slots of a gathered context: never < any anchor position, so masked.
-_PAD_POSITION = 2**62
+# Position given to padding slots of a gathered context (here and in the drafter's static round
+# buffers, dspark.models.draft_graph_runner): never < any anchor position, so masked.
+PAD_POSITION = 2**62
 
 
 class RequestContext:
@@ -39,8 +40,8 @@ class RequestContext:
         """The largest context position (host int; -1: none)."""
         self.last_position = -1
         """The position of the last context slot (host int; -1: none)."""
-        self.min_position = _PAD_POSITION
-        """The smallest context position (host int; _PAD_POSITION: none)."""
+        self.min_position = PAD_POSITION
+        """The smallest context position (host int; PAD_POSITION: none)."""
 
     def reserve(self, capacity: int) -> None:
         """Make room for `capacity` slots (amortised doubling)."""
@@ -173,7 +174,7 @@ class ContextKVCache:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Padded copy for batched attention (the Eagle-style drafter): keys/values
         [num_layers, R, num_kv_heads, L_max, head_dim], positions [R, L_max] (padding slots at
-        _PAD_POSITION, so masked)."""
+        PAD_POSITION, so masked)."""
         return gather_padded([self._requests.get(rid) for rid in request_ids], num_layers,
                              num_kv_heads, head_dim, dtype, device)
 
@@ -184,7 +185,7 @@ def gather_padded(contexts: Sequence[RequestContext | None], num_layers: int, nu
     """The contexts side by side for one attention call over all of them: keys/values
     [num_layers, R, num_kv_heads, L_max + extra_slots, head_dim] and positions [R, L_max]
     (L_max: the longest context; None: an empty one). Padding slots hold zeros (finite, so a
-    masked slot adds exactly nothing) at position _PAD_POSITION, which no anchor exceeds: a
+    masked slot adds exactly nothing) at position PAD_POSITION, which no anchor exceeds: a
     mask of `positions < anchor` hides them. The `extra_slots` after L_max are scratch for the
     caller (the drafted block's own keys/values).
 
@@ -200,7 +201,7 @@ def gather_padded(contexts: Sequence[RequestContext | None], num_layers: int, nu
     keys = torch.zeros(num_layers, R, num_kv_heads, L + extra_slots, head_dim, dtype=dtype,
                        device=device)
     values = torch.zeros_like(keys)
-    positions = torch.full((R, L), _PAD_POSITION, dtype=torch.int64, device=device)
+    positions = torch.full((R, L), PAD_POSITION, dtype=torch.int64, device=device)
     for r, c in enumerate(contexts):
         if c is not None and c.length:
             keys[:, r, :, : c.length] = c.keys[:, :, : c.length]

@@ -31,8 +31,8 @@ What stays outside, on the ordinary path:
 
 Glossary
 - *padding request*: a bucket row past the call's R: anchor token 0 at position 0, every
-  context slot at `_PAD_POSITION` (masked), its outputs dropped.
-- *padding slot*: a context slot past a request's length: position `_PAD_POSITION`, keys and
+  context slot at `PAD_POSITION` (masked), its outputs dropped.
+- *padding slot*: a context slot past a request's length: position `PAD_POSITION`, keys and
   values whatever finite numbers an earlier call left there (zeros at first); masked, so they
   add exactly zero.
 
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dspark.models.context_kv_cache import _PAD_POSITION, RequestContext
+from dspark.models.context_kv_cache import PAD_POSITION, RequestContext
 from dspark.models.draft_sampling import RowPlan
 from dspark.models.graph_runner import batch_bucket, capture_graph
 from dspark.models.pass_upload import upload
@@ -103,7 +103,7 @@ class _Bucket:
     """[num_layers, B, num_kv_heads, L + gamma, head_dim] the contexts' keys, then the block's."""
     values: torch.Tensor  # as keys
     positions: torch.Tensor
-    """[B, L] int64 each context slot's position (_PAD_POSITION: a padding slot)."""
+    """[B, L] int64 each context slot's position (PAD_POSITION: a padding slot)."""
     last_hidden: torch.Tensor | None
     """[B, hidden] H_ctx before each anchor (zeros where none), with inject_last_context."""
     conf_temperatures: torch.Tensor
@@ -155,7 +155,7 @@ class DraftGraphRunner:
         (metadata,) = upload([torch.tensor([*anchor_tokens, *[0] * pad, *anchor_positions,
                                             *[0] * pad], dtype=torch.int64)], d.fc.weight.device)
         bucket.metadata.copy_(metadata)  # the one host copy
-        bucket.positions.fill_(_PAD_POSITION)
+        bucket.positions.fill_(PAD_POSITION)
         for r, c in enumerate(contexts):  # device copies: [num_layers, kv_heads, n, head_dim]
             n = c.length
             if n:
@@ -188,7 +188,7 @@ class DraftGraphRunner:
                            dtype=dtype, device=device)
         bucket = _Bucket(
             B, L, greedy_chain, metadata, anchor_tokens, anchor_positions, keys,
-            torch.zeros_like(keys), torch.full((B, L), _PAD_POSITION, dtype=torch.int64, device=device),
+            torch.zeros_like(keys), torch.full((B, L), PAD_POSITION, dtype=torch.int64, device=device),
             torch.zeros(B, cfg.hidden_size, dtype=dtype, device=device)
             if cfg.inject_last_context else None,
             torch.ones(B, d.gamma, dtype=torch.float32, device=device),

@@ -164,3 +164,27 @@ def test_greedy_engine_outputs_are_token_identical_with_and_without(tiny_target,
         if graphs and policy != "none":
             assert drafter.round_graphs.rounds > 0
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_static_round_reads_nothing_back(temperature):
+    """On a pretend CUDA device (tests/pretend_device.py): a round on the static path reads no
+    device value on the host, greedy (the chain inside the captured part) and T=1 (outside),
+    at 3 requests (bucket 4); its drafts stay on the device."""
+    from dspark.models.draft_graph_runner import DraftGraphRunner
+
+    from ..pretend_device import PretendDevice
+
+    drafter = make_drafter("markov")
+    drafter.context_attention = ContextAttention.BATCHED
+    ids = add_contexts((drafter,), {"a": 3, "b": 30, "c": 12})
+    device = PretendDevice()
+    device.place(drafter)
+    drafter.round_graphs = DraftGraphRunner(drafter, capture=False)  # eager: a CPU underneath
+    order = ["a", "b", "c"]
+    with device:
+        drafter.draft(requests_for(ids, order, lambda i: temperature))  # the contexts absorbed
+        device.reset_counts()
+        blocks = drafter.draft(requests_for(ids, order, lambda i: temperature))
+        assert device.syncs == 0, dict(device.sync_calls)
+    assert drafter.round_graphs.rounds == 2 and all(device.is_on_device(b.tokens) for b in blocks)

@@ -431,30 +431,43 @@ def graphed_decode(models: Models, device: str, dtype: str, args, deadline: floa
     gamma = DrafterConfig.load(models.drafter).block_size
     table = CostTable.from_step_seconds({b: 1.0 for b in (1, 2, 4, 8, 16, 32, 64)})  # unused: no drafts
     rows: dict = {}
+
+    def make_engine(graphs: bool, streams: int):
+        runner = TargetRunner(models.target, RunnerConfig(
+            device=device, dtype=dtype, kv_cache_tokens=streams * 2048,
+            attention=AttentionImpl.PADDED, cuda_graphs=graphs, graph_rows_per_request=gamma + 1))
+        return Engine(TargetVerifier(runner), None, table,
+                      EngineConfig().with_values(policy="none", max_running=streams))
+
+    for streams, outputs, rates, engines in with_and_without_graphs(make_engine, models, args,
+                                                                    deadline, rows):
+        for graphs, label in ((False, "eager"), (True, "graphs")):
+            rows[f"streams={streams} {label} tokens/s"] = round(rates[graphs], 1)
+        rows[f"streams={streams} graphed forwards"] = engines[True].verifier.runner.graphs.forwards
+        rows[f"streams={streams} graphs / eager"] = round(rates[True] / rates[False], 3)
+        rows[f"streams={streams} same tokens"] = outputs[True] == outputs[False]
+    if "stopped" not in rows:
+        rows["ok"] = all(v for k, v in rows.items() if k.endswith("same tokens"))
+    return rows
+
+
+def with_and_without_graphs(make_engine, models: Models, args, deadline: float, rows: dict):
+    """For 1 stream and the largest of `--streams`: greedy decoding of that many prompts by
+    make_engine(False, streams) and make_engine(True, streams), each warmed up (the first
+    buckets' graphs captured) and then timed. Yields (streams, {graphs: outputs}, {graphs:
+    tokens/s}, {graphs: engine}); once `deadline` has passed, sets rows["stopped"] and ends."""
     for streams in sorted({1, max(args.streams)}):
-        outputs, rates = {}, {}
+        prompts = models.prompts[:streams]
+        outputs, rates, engines = {}, {}, {}
         for graphs in (False, True):
             if time.monotonic() > deadline:
                 rows["stopped"] = "budget spent"
-                return rows
-            runner = TargetRunner(models.target, RunnerConfig(
-                device=device, dtype=dtype, kv_cache_tokens=streams * 2048,
-                attention=AttentionImpl.PADDED, cuda_graphs=graphs,
-                graph_rows_per_request=gamma + 1))
-            engine = Engine(TargetVerifier(runner), None, table,
-                            EngineConfig().with_values(policy="none", max_running=streams))
-            prompts = models.prompts[:streams]
-            generate(engine, prompts, 0.0, 4)  # warm-up: the first buckets' graphs captured
+                return
+            engine = engines[graphs] = make_engine(graphs, streams)
+            generate(engine, prompts, 0.0, 4)
             outputs[graphs], seconds = generate(engine, prompts, 0.0, args.max_tokens)
             rates[graphs] = sum(map(len, outputs[graphs])) / seconds
-            label = "graphs" if graphs else "eager"
-            rows[f"streams={streams} {label} tokens/s"] = round(rates[graphs], 1)
-            if graphs:
-                rows[f"streams={streams} graphed forwards"] = runner.graphs.forwards
-        rows[f"streams={streams} graphs / eager"] = round(rates[True] / rates[False], 3)
-        rows[f"streams={streams} same tokens"] = outputs[True] == outputs[False]
-    rows["ok"] = all(v for k, v in rows.items() if k.endswith("same tokens"))
-    return rows
+        yield streams, outputs, rates, engines
 
 
 def graphed_draft_round(models: Models, device: str, dtype: str, args, deadline: float) -> dict:
@@ -548,18 +561,14 @@ def graphed_draft_round(models: Models, device: str, dtype: str, args, deadline:
     rows["graphed buckets"] = len(pair[True].round_graphs.buckets)
     del runner, pair
     policy = f"fixed:{args.fixed_k}"
-    for streams in sorted({1, max(args.streams)}):
-        outputs, rates = {}, {}
-        for graphs in (False, True):
-            if time.monotonic() > deadline:
-                rows["stopped"] = "budget spent"
-                return rows
-            engine = build(models, device, dtype, policy, streams, round_graphs=graphs)
-            engine.drafter.context_attention = ContextAttention.BATCHED
-            prompts = models.prompts[:streams]
-            generate(engine, prompts, 0.0, 4)  # warm-up
-            outputs[graphs], seconds = generate(engine, prompts, 0.0, args.max_tokens)
-            rates[graphs] = sum(map(len, outputs[graphs])) / seconds
+
+    def make_engine(graphs: bool, streams: int):
+        engine = build(models, device, dtype, policy, streams, round_graphs=graphs)
+        engine.drafter.context_attention = ContextAttention.BATCHED
+        return engine
+
+    for streams, outputs, rates, _ in with_and_without_graphs(make_engine, models, args,
+                                                              deadline, rows):
         key = f"engine {policy} streams={streams}"
         rows[f"{key} tokens/s eager, graphs"] = f"{rates[False]:.1f}, {rates[True]:.1f}"
         rows[f"{key} graphs / eager"] = round(rates[True] / rates[False], 3)

@@ -40,22 +40,31 @@ class BlockOutcome:
     next_tokens: torch.Tensor  # [m] int64: residual sample at tau, or the bonus when tau = l_r
 
 
-def acceptance_weights(ratio: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
+def acceptance_weights(ratio: torch.Tensor, draft_lens: torch.Tensor,
+                       width: int | None = None) -> torch.Tensor:
     """w_i after each draft: ratio [n_d] = P_i(x_i) / Q_i(x_i) per draft row (requests in
-    order, l_r rows each), draft_lens [m] -> [n_d] (row i of request r holds w_{i+1})."""
-    m = draft_lens.shape[0]
-    width = int(draft_lens.max()) if m else 0
+    order, l_r rows each), draft_lens [m] -> [n_d] (row i of request r holds w_{i+1}).
+    `width`: the largest l_r, when the caller knows it on the host (else read from the device).
+    Static shapes otherwise: no device read."""
+    m, num_drafts = draft_lens.shape[0], ratio.shape[0]
+    if width is None:
+        width = int(draft_lens.max()) if m else 0
     starts = torch.cumsum(draft_lens, 0) - draft_lens  # [m]
     position = torch.arange(width, device=ratio.device)
     valid = position.unsqueeze(0) < draft_lens.unsqueeze(1)  # [m, width]
-    rows = (starts.unsqueeze(1) + position).clamp_max(max(ratio.shape[0] - 1, 0))  # [m, width]
+    rows = (starts.unsqueeze(1) + position).clamp_max(max(num_drafts - 1, 0))  # [m, width]
     padded = torch.where(valid, ratio[rows], torch.ones((), dtype=ratio.dtype))  # [m, width]
     weights = torch.empty_like(padded)
     running = torch.ones(m, dtype=ratio.dtype, device=ratio.device)
     for i in range(width):  # width <= gamma
         running = torch.clamp_max(running * padded[:, i], 1.0)
         weights[:, i] = running
-    return weights[valid]
+    # Back to the draft rows (the valid cells, row-major), by index rather than by mask.
+    request_of_draft = torch.repeat_interleave(torch.arange(m, device=ratio.device), draft_lens,
+                                               output_size=num_drafts)  # [n_d]
+    position_of_draft = (torch.arange(num_drafts, device=ratio.device)
+                         - starts[request_of_draft])  # [n_d]
+    return weights[request_of_draft, position_of_draft]
 
 
 def residual_masses(weights_before: torch.Tensor, target_probs: torch.Tensor,
@@ -92,7 +101,8 @@ def accepted_lengths(weights: torch.Tensor, masses: torch.Tensor, draft_lens: to
     -> [m] int64 in 0..l_r."""
     m = draft_lens.shape[0]
     device = weights.device
-    request_of_draft = torch.repeat_interleave(torch.arange(m, device=device), draft_lens)
+    request_of_draft = torch.repeat_interleave(torch.arange(m, device=device), draft_lens,
+                                               output_size=weights.shape[0])  # [n_d]
     starts = torch.cumsum(draft_lens, 0) - draft_lens  # [m]
     position = torch.arange(weights.shape[0], device=device) - starts[request_of_draft]  # [n_d]
     last = position == draft_lens[request_of_draft] - 1  # [n_d]
@@ -107,10 +117,13 @@ def accepted_lengths(weights: torch.Tensor, masses: torch.Tensor, draft_lens: to
 def weights_before(weights: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
     """w before each draft row: 1 for a request's first draft, the previous row's w after it
     otherwise: weights [n_d], draft_lens [m] -> [n_d]."""
-    starts = torch.cumsum(draft_lens, 0) - draft_lens
-    first = torch.zeros(weights.shape[0], dtype=torch.bool, device=weights.device)
-    first[starts[draft_lens > 0]] = True
-    return torch.where(first, torch.ones_like(weights), weights.roll(1))
+    num_drafts = weights.shape[0]
+    starts = torch.cumsum(draft_lens, 0) - draft_lens  # [m]
+    # A request without drafts starts where the next one does (whose first row it marks
+    # again), or past the last row (the spare cell).
+    first = torch.zeros(num_drafts + 1, dtype=torch.bool, device=weights.device)
+    first[starts] = True
+    return torch.where(first[:num_drafts], torch.ones_like(weights), weights.roll(1))
 
 
 def block_residual(weight: torch.Tensor, target_probs: torch.Tensor,

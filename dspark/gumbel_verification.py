@@ -59,17 +59,21 @@ def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Ten
 def target_samples(logits: torch.Tensor, sampling: SamplingTensors, seeds: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
     """The target's sample y_p of each row: logits [n, V], sampling [n], seeds and positions [n]
-    -> [n] token ids. Greedy rows take the argmax (the noise cannot move a one-hot's argmax)."""
-    n = logits.shape[0]
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    greedy = sampling.temperature == 0.0  # [n]
-    if bool(greedy.any()):
-        out[greedy] = argmax_first(logits[greedy], dim=1)
-    sampled = ~greedy
-    if bool(sampled.any()):
-        probs = probs_from_logits(logits[sampled], sampling.select(sampled))  # [m, V]
-        out[sampled] = gumbel_argmax(probs, seeds[sampled], positions[sampled])
-    return out
+    -> [n] token ids. Greedy rows take the argmax (the noise cannot move a one-hot's argmax).
+    Every row is computed both ways a kind present needs and the row's own kept: which kinds
+    are present comes from the host (`sampling.kinds`; unknown: both), nothing is read off
+    the device."""
+    kinds = sampling.kinds
+    has_greedy = kinds is None or kinds.greedy
+    has_sampled = kinds is None or kinds.sampled
+    argmax = argmax_first(logits, dim=1) if has_greedy else None  # [n]
+    if not has_sampled:
+        return argmax
+    probs = probs_from_logits(logits, sampling)  # [n, V] (greedy rows one-hot, replaced below)
+    sample = gumbel_argmax(probs, seeds, positions)  # [n]
+    if not has_greedy:
+        return sample
+    return torch.where(sampling.temperature == 0.0, argmax, sample)
 
 
 def verify_invariant(batch, draws):
@@ -82,20 +86,24 @@ def verify_invariant(batch, draws):
                          "positions: dspark.random_draws.draw_uniforms)")
     device = batch.target_logits.device
     num_requests = batch.num_requests
+    num_drafts = sum(batch.draft_lens.tolist())  # draft_lens lives on the host
+    num_rows = num_drafts + num_requests
     lens = batch.draft_lens.to(device)  # [R]
     request_ids = torch.arange(num_requests, device=device)
     rows_per_request = lens + 1
-    req_of_row = torch.repeat_interleave(request_ids, rows_per_request)  # [num_rows]
+    req_of_row = torch.repeat_interleave(request_ids, rows_per_request,
+                                         output_size=num_rows)  # [num_rows]
     first_row = torch.cumsum(rows_per_request, 0) - rows_per_request  # [R]
     j = torch.arange(req_of_row.shape[0], device=device) - first_row[req_of_row]  # 0..l_r
     seeds = draws.seeds.to(device)
     anchors = draws.anchor_positions.to(device)
     sampling = SamplingTensors.from_params(batch.sampling, device=device)
-    y = target_samples(batch.target_logits, sampling.repeat(rows_per_request), seeds[req_of_row],
-                       anchors[req_of_row] + 1 + j)  # [num_rows]
+    y = target_samples(batch.target_logits, sampling.repeat(rows_per_request, num_rows),
+                       seeds[req_of_row], anchors[req_of_row] + 1 + j)  # [num_rows]
 
     draft_start = torch.cumsum(lens, 0) - lens  # [R]
-    req_of_draft = torch.repeat_interleave(request_ids, lens)  # [num_drafts]
+    req_of_draft = torch.repeat_interleave(request_ids, lens,
+                                           output_size=num_drafts)  # [num_drafts]
     draft_rows = torch.arange(req_of_draft.shape[0], device=device)
     k0 = draft_rows - draft_start[req_of_draft]  # 0-based position in the block
     matched = batch.draft_tokens.to(device) == y[draft_rows + req_of_draft]  # [num_drafts]

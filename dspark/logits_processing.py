@@ -66,8 +66,11 @@ class PenaltyProcessor:
     """vLLM's min_tokens, logit_bias and repetition / frequency / presence penalties of one
     request, from the tokens it has observed (kept on the device: seen [V] bool, output counts
     [V] float32 and the ids seen so far [num_seen]; the number of output tokens on the host).
-    The penalties touch only the columns of tokens seen (prompt, output, the round's drafts):
-    [rows, num_seen] work instead of [rows, V] (a device read per round for their ids)."""
+    On the CPU the penalties touch only the columns of tokens seen (prompt, output, the
+    round's drafts): [rows, num_seen] work instead of [rows, V], for a read of their ids that
+    costs nothing there. On an accelerator they run over every column, which a penalty leaves
+    as it is where a token was neither seen nor counted: the same logits, bit for bit, without
+    a device read or a shape that depends on the device's values."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device) -> None:
         self.params = params
@@ -103,7 +106,8 @@ class PenaltyProcessor:
             return
         ids = torch.tensor(list(tokens), dtype=torch.int64).to(self.device, non_blocking=True)
         self.seen[ids] = True
-        self.seen_ids = self.seen.nonzero().squeeze(1)  # [num_seen] ascending
+        if self.device.type == "cpu":  # the seen columns' ids (apply on the CPU)
+            self.seen_ids = self.seen.nonzero().squeeze(1)  # [num_seen] ascending
         if output:
             self.output_counts.index_add_(0, ids, torch.ones(ids.shape[0], device=self.device))
 
@@ -119,24 +123,31 @@ class PenaltyProcessor:
             logits.index_add_(1, self.bias_ids, self.bias_values.expand(num_rows, -1))
         if not self.penalised:
             return
-        ids = self.seen_ids  # [K] the columns a penalty can touch, ascending
-        if drafts:
-            draft_ids = torch.tensor(list(drafts), dtype=torch.int64).to(self.device,
-                                                                         non_blocking=True)
-            ids = torch.cat([ids, draft_ids]).unique()  # [K] ascending
-        counts = self.output_counts[ids].expand(num_rows, -1)  # [R, K]
+        draft_ids = (torch.tensor(list(drafts), dtype=torch.int64).to(self.device,
+                                                                      non_blocking=True)
+                     if drafts else None)  # [num_drafts]
+        if self.device.type == "cpu":
+            ids = self.seen_ids  # [K] the columns a penalty can touch, ascending
+            if draft_ids is not None:
+                ids = torch.cat([ids, draft_ids]).unique()  # [K] ascending
+        else:
+            ids = None  # every column, [K] = [V]
+        counts = (self.output_counts if ids is None
+                  else self.output_counts[ids]).expand(num_rows, -1)  # [R, K]
         if drafts:  # row j also counts drafts[:j]: (row, draft) pairs j > k for draft k
             rows = [j for k in range(len(drafts)) for j in range(k + 1, num_rows)]
             which = [k for k in range(len(drafts)) for _ in range(k + 1, num_rows)]
-            columns = torch.searchsorted(ids, draft_ids)[torch.tensor(which).to(self.device)]
+            which_t = torch.tensor(which).to(self.device, non_blocking=True)
+            columns = (draft_ids[which_t] if ids is None
+                       else torch.searchsorted(ids, draft_ids)[which_t])
             counts = counts.clone().index_put_(
                 (torch.tensor(rows).to(self.device, non_blocking=True), columns),
                 torch.ones(len(rows), device=self.device), accumulate=True)
-        columns_logits = logits[:, ids]  # [R, K]
+        columns_logits = logits if ids is None else logits[:, ids]  # [R, K]
         # 3. repetition over prompt and output (drafts included), 4. frequency and presence.
         p = self.params.repetition_penalty
         if p != 1.0:
-            seen = self.seen[ids] | (counts > 0)  # [R, K]
+            seen = (self.seen if ids is None else self.seen[ids]) | (counts > 0)  # [R, K]
             columns_logits = torch.where(seen, torch.where(columns_logits > 0,
                                                            columns_logits / p,
                                                            columns_logits * p), columns_logits)
@@ -145,7 +156,10 @@ class PenaltyProcessor:
             columns_logits = columns_logits - f * counts
         if a:
             columns_logits = columns_logits - a * (counts > 0).float()
-        logits[:, ids] = columns_logits
+        if ids is None:
+            logits.copy_(columns_logits)
+        else:
+            logits[:, ids] = columns_logits
 
 
 class LogitsProcessing:

@@ -202,10 +202,11 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
            rule: VerificationRule = VerificationRule.TOKEN) -> VerifyResult:
     """Batched lossless rejection sampling over a flattened batch (the fast path).
 
-    Branches are chosen from what the host knows (draft lengths, sampling params), not by
-    reading the device: at the token rule nothing is read off the CPU (top-k and top-p rows
-    included: `dspark.sampling`). The check that every draft has probability > 0 is read here on the CPU and with the
-    results (`VerifyResult.to_host`) on an accelerator."""
+    Branches, row selections and shapes are chosen from what the host knows (draft lengths,
+    sampling params), not by reading the device: under every rule nothing is read off the CPU
+    (top-k and top-p rows included: `dspark.sampling`; tests/test_host_syncs.py counts it). The
+    check that every draft has probability > 0 is read here on the CPU and with the results
+    (`VerifyResult.to_host`) on an accelerator."""
     if rule is VerificationRule.DRAFTER_INVARIANT:
         from dspark.gumbel_verification import verify_invariant
         return verify_invariant(batch, draws)
@@ -226,8 +227,6 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     # of accepted rows (under the block rule: the greedy requests' drafts only).
     request_sampling = SamplingTensors.from_params(batch.sampling, device=device)
     is_greedy = [p.is_greedy for p in batch.sampling]  # [R] host
-    greedy = request_sampling.temperature == 0.0  # [num_requests]
-    sampled = ~greedy
     sampled_ids = [r for r, g in enumerate(is_greedy) if not g]
     by_blocks = rule is VerificationRule.BLOCK and bool(sampled_ids)
     # Every row's argmax, once, when a request is greedy: its drafts' test and its next token.
@@ -264,10 +263,11 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     next_tokens = (row_argmax[next_rows] if row_argmax is not None
                    else torch.zeros(num_requests, dtype=torch.int64, device=device))
     if by_blocks:
-        outcome = _verify_sampled_blocks(batch, draws, sampled, p_draft, request_sampling,
-                                         req_of_draft, draft_lens)
-        num_accepted[sampled] = outcome.num_accepted
-        next_tokens[sampled] = outcome.next_tokens
+        which = _host_index(sampled_ids, device)  # [m]
+        outcome = _verify_sampled_blocks(batch, draws, sampled_ids, which, lens, p_draft,
+                                         request_sampling, req_of_draft, draft_lens, draft_start)
+        num_accepted[which] = outcome.num_accepted
+        next_tokens[which] = outcome.next_tokens
     elif sampled_ids:
         which = _host_index(sampled_ids, device)  # [m]
         sub = request_sampling.select(which)
@@ -308,43 +308,54 @@ def _at_token_columns(values: torch.Tensor, support: torch.Tensor, q_support: to
     return (values * hit).sum(dim=1)
 
 
-def _verify_sampled_blocks(batch: VerifyBatch, draws: RandomDraws, sampled: torch.Tensor,
-                           p_draft: torch.Tensor, request_sampling: SamplingTensors,
-                           req_of_draft: torch.Tensor, draft_lens: torch.Tensor) -> BlockOutcome:
-    """Block verification (dspark.block_verification) of the requests where `sampled`
-    [num_requests] is True; p_draft [num_drafts]: p^d_k(x_k) of every draft; request_sampling
-    [num_requests]; req_of_draft [num_drafts]: each draft's request; draft_lens [num_requests]
-    on the logits' device. The residual masses read the
-    target's distribution on each draft's support only."""
+def _verify_sampled_blocks(batch: VerifyBatch, draws: RandomDraws, sampled_ids: Sequence[int],
+                           which: torch.Tensor, lens: Sequence[int], p_draft: torch.Tensor,
+                           request_sampling: SamplingTensors, req_of_draft: torch.Tensor,
+                           draft_lens: torch.Tensor, draft_start: torch.Tensor) -> BlockOutcome:
+    """Block verification (dspark.block_verification) of the sampled requests `sampled_ids`
+    [m] (host; `which`: the same on the device); lens [num_requests]: draft_lens on the host;
+    p_draft [num_drafts]: p^d_k(x_k) of every draft; request_sampling [num_requests];
+    req_of_draft [num_drafts]: each draft's request; draft_lens, draft_start [num_requests] on
+    the logits' device. The residual masses read the target's distribution on each draft's
+    support only. Rows and branches come from the host's lengths: nothing is read off the
+    device, every shape is known before the device computes it."""
     device = batch.target_logits.device
-    request_ids = torch.arange(batch.num_requests, device=device)
-    lens = draft_lens[sampled]  # [m]
-    rows = sampled[req_of_draft].nonzero().squeeze(1)  # [n_d] their draft rows
+    starts_host = [0, *itertools.accumulate(lens)]
+    sampled_lens = [lens[r] for r in sampled_ids]  # [m] host
+    num_sampled_drafts = sum(sampled_lens)
+    rows = _host_index([i for r in sampled_ids
+                        for i in range(starts_host[r], starts_host[r + 1])], device)  # [n_d]
+    block_lens = draft_lens[which]  # [m]
     target_rows = rows + req_of_draft[rows]  # [n_d] P_i of each draft
-    draft_sampling = request_sampling.select(sampled).repeat(lens)  # [n_d]
+    sampling = request_sampling.select(which)  # [m]
+    draft_sampling = sampling.repeat(block_lens, num_sampled_drafts)  # [n_d]
     support, q_support = draft_support(batch.draft_probs, rows, batch.vocab_size)  # [n_d, k]
     tokens = batch.draft_tokens[rows]  # [n_d]
     p_support = probs_at_columns(batch.target_logits, support, draft_sampling,
                                  target_rows)  # [n_d, k]
     p_token = _at_token_columns(p_support, support, q_support, tokens, batch.vocab_size)
-    weights = acceptance_weights(p_token / p_draft[rows], lens)  # [n_d] w_i
-    before = weights_before(weights, lens)  # [n_d] w_{i-1}
+    weights = acceptance_weights(p_token / p_draft[rows], block_lens,
+                                 max(sampled_lens, default=0))  # [n_d] w_i
+    before = weights_before(weights, block_lens)  # [n_d] w_{i-1}
     masses = residual_masses(before, p_support, q_support)  # [n_d] m_{i-1}
-    num_accepted = accepted_lengths(weights, masses, lens,
+    num_accepted = accepted_lengths(weights, masses, block_lens,
                                     draws.accept_uniform.to(device)[rows])  # [m]
 
     # The next token: the bonus row when every draft is kept, else the residual at tau.
-    starts = (torch.cumsum(draft_lens, 0) - draft_lens)[sampled]  # [m] first draft row of each
-    next_rows = starts + num_accepted + request_ids[sampled]  # [m] target row P_{tau + 1}
-    dist = probs_from_logits(batch.target_logits[next_rows], request_sampling.select(sampled))
-    cut = num_accepted < lens  # [m]
-    if bool(cut.any()):
-        cut_rows = (starts + num_accepted)[cut]  # draft row Q_{tau + 1}, in the batch's rows
-        local = torch.searchsorted(rows, cut_rows)  # the same rows among the n_d
-        dist[cut] = block_residual(before[local], dist[cut],
-                                   dense_draft_rows(batch.draft_probs, cut_rows,
-                                                    batch.vocab_size))
-    next_tokens = sample_from_probs(dist, draws.sample_uniform.to(device)[sampled])
+    starts = draft_start[which]  # [m] first draft row of each
+    next_rows = starts + num_accepted + which  # [m] target row P_{tau + 1}
+    dist = probs_from_logits(batch.target_logits[next_rows], sampling)  # [m, V]
+    if num_sampled_drafts:
+        # The residual at tau of every request, kept where its block was cut (no device read
+        # of which ones were); a request kept whole reads some row in range, then drops it.
+        cut = num_accepted < block_lens  # [m]
+        num_drafts = batch.draft_tokens.shape[0]
+        cut_rows = (starts + num_accepted).clamp_max(num_drafts - 1)  # [m] Q_{tau + 1}'s row
+        local = torch.searchsorted(rows, cut_rows).clamp_max(num_sampled_drafts - 1)  # [m]
+        residual = block_residual(before[local], dist,
+                                  dense_draft_rows(batch.draft_probs, cut_rows, batch.vocab_size))
+        dist = torch.where(cut.unsqueeze(1), residual, dist)
+    next_tokens = sample_from_probs(dist, draws.sample_uniform.to(device)[which])
     return BlockOutcome(num_accepted, next_tokens)
 
 

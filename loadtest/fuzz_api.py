@@ -157,6 +157,10 @@ def grpc_request(draw) -> "pb.generation.GenerateRequest":
         s.top_k = draw(st.integers(-2**31, 2**31 - 1))
         if draw(st.booleans()):
             s.seed = draw(st.integers(-2**63, 2**63 - 1))
+    for name in ("n", "best_of"):  # samples: mostly few, sometimes any int32
+        if draw(st.integers(0, 3)) == 0:
+            setattr(request, name, draw(st.one_of(st.integers(0, 3),
+                                                  st.integers(-2**31, 2**31 - 1))))
     return request
 
 
@@ -200,6 +204,8 @@ def check_grpc(stub, key: str, request) -> str:
         assert "Traceback" not in (e.details() or "")
         return e.code().name
     assert replies and replies[-1].finished, request
+    finished = sorted(r.index for r in replies if r.finished)  # one per choice, 0..n-1
+    assert finished == list(range(len(finished))), (finished, request)
     return "OK"
 
 

@@ -3,15 +3,19 @@ a device tensor's values on the host, or an op whose output shape depends on the
 engine's runner and drafter on a pretend CUDA device. DSPARK_SYNC_STACKS=1 prints the stack of
 each one.
 
-A steady round makes at most 3 at 1 and at 64 requests, greedy, T=1, and T=1 with top_p=0.9 or
-top_k=50, under `fixed:3` and `async_topk`: it makes 2, the drafted blocks' tokens and confidences to the host in one copy
-(dspark/drafts_to_host.py: the admission reads the confidences, the target's forward the
-tokens) and the verification's results (accepted counts, tokens, the check that every draft
+A steady round makes at most 3 at 1 and at 64 requests, greedy, T=1, and T=1 with top_p=0.9,
+top_k=50 or the penalties, under `fixed:3` and `async_topk`, and at T=1 (plain, top_p, top_k)
+under the block and the drafter-invariant rules too: it makes 2, the drafted blocks' tokens and
+confidences to the host in one copy (dspark/drafts_to_host.py: the admission reads the
+confidences, the target's forward the tokens) and the verification's results (accepted counts, tokens, the check that every draft
 has probability > 0) in one copy (VerifyResult.to_host). The verifier's part (the target
 forward, draft-probability packing, sampling, rejection and its copy) makes at most 1 of them.
 Counted the same way before (base 8bab729 with the device fixes), whole rounds made 27 / 67 at
 1 request (greedy / T=1) and 153 / 193 at 64; before the drafter sampled with the kinds of its
-rows known on the host and kept its context's bounds on the host, 5 / 20 and 68 / 83.
+rows known on the host and kept its context's bounds on the host, 5 / 20 and 68 / 83. Before
+the block rule's sampled path took its rows and widths from the host, its verification alone
+made 22 at T=1 (1 and 64 requests); the drafter-invariant rule's rounds made 13 at T=1 and 8
+greedy.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dspark.drafting_gate import RoundMode
 from dspark.engine import Engine, EngineConfig
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner
 from dspark.models.transformer import AttentionImpl
+from dspark.rejection import VerificationRule
 from dspark.sampling import SamplingParams
 from dspark.verifier import TargetVerifier
 from loadtest.tiny_models import LAYER_IDS
@@ -36,10 +41,12 @@ ROUND_BOUND = 3
 # A flat table, a round's cost nearly independent of its tokens: under it every draft pays, so
 # async_topk drafts and verifies every request's block in the counted round, greedy or sampled.
 TABLE = {b: 1.0 + 1e-6 * b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)}
+PENALTIES = dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3)
 
 
 def count_round(folder, requests: int, temperature: float, policy: str = "fixed:3",
-                top_p: float = 1.0, top_k: int = 0) -> tuple[int, int, dict]:
+                rule: VerificationRule = VerificationRule.TOKEN,
+                **sampling) -> tuple[int, int, dict]:
     """(whole round, verifier.verify) syncs of the 4th round, and the round's calls by name.
     The round drafts every request and verifies drafts (else it would count too little)."""
     device = PretendDevice()
@@ -48,7 +55,7 @@ def count_round(folder, requests: int, temperature: float, policy: str = "fixed:
     drafter = tiny_dspark(0, runner)
     device.place_runner(runner)
     device.place(drafter)
-    engine = Engine(TargetVerifier(runner), drafter, CostTable.from_step_seconds(TABLE),
+    engine = Engine(TargetVerifier(runner, rule=rule), drafter, CostTable.from_step_seconds(TABLE),
                     EngineConfig().with_values(policy=policy, max_running=requests,
                                                 update_cost_table=False))
     verify = engine.verifier.verify
@@ -62,8 +69,8 @@ def count_round(folder, requests: int, temperature: float, policy: str = "fixed:
 
     engine.verifier.verify = counted
     for i in range(requests):
-        engine.add_request([3 + i % 50, 9, 27, 17], SamplingParams(temperature=temperature, top_p=top_p,
-                                                          top_k=top_k, seed=i),
+        engine.add_request([3 + i % 50, 9, 27, 17],
+                           SamplingParams(temperature=temperature, seed=i, **sampling),
                            max_tokens=40)
     with device:
         for _ in range(3):  # prompts read, then steady rounds
@@ -87,12 +94,32 @@ def test_a_round_syncs_at_most_the_bound(tiny_target, requests, temperature, pol
 
 @pytest.mark.parametrize("policy", ["fixed:3", "async_topk"])
 @pytest.mark.parametrize("requests", [1, 64])
-@pytest.mark.parametrize("filters", [dict(top_p=0.9), dict(top_k=50)], ids=["top_p", "top_k"])
+@pytest.mark.parametrize("filters", [dict(top_p=0.9), dict(top_k=50), PENALTIES],
+                         ids=["top_p", "top_k", "penalties"])
 def test_a_filtered_round_syncs_at_most_the_bound(tiny_target, requests, filters, policy):
     """The nucleus search (top_p < 1) and the top-k cut, in the drafter's sampling and the
-    target's, read nothing on the host either."""
+    target's, and the penalties (dspark.logits_processing, every column off the CPU) read
+    nothing on the host either."""
     folder, _ = tiny_target
     whole, in_verify, calls = count_round(folder, requests, 1.0, policy, **filters)
+    assert in_verify <= VERIFIER_BOUND, calls
+    assert whole <= ROUND_BOUND, calls
+
+
+@pytest.mark.parametrize("policy", ["fixed:3", "async_topk"])
+@pytest.mark.parametrize("requests", [1, 64])
+@pytest.mark.parametrize("rule", [VerificationRule.BLOCK, VerificationRule.DRAFTER_INVARIANT])
+@pytest.mark.parametrize("filters", [{}, dict(top_p=0.9), dict(top_k=50)],
+                         ids=["plain", "top_p", "top_k"])
+def test_the_other_rules_round_syncs_at_most_the_bound(tiny_target, requests, filters, policy,
+                                                       rule):
+    """The block rule's sampled path (dspark.block_verification through
+    rejection._verify_sampled_blocks: the acceptance weights, residual masses, accepted lengths
+    and the residual at tau) and the drafter-invariant rule's target samples
+    (dspark.gumbel_verification) read nothing on the host either: their branches and row
+    selections come from the host's draft lengths and sampling params."""
+    folder, _ = tiny_target
+    whole, in_verify, calls = count_round(folder, requests, 1.0, policy, rule, **filters)
     assert in_verify <= VERIFIER_BOUND, calls
     assert whole <= ROUND_BOUND, calls
 

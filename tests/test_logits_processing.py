@@ -150,6 +150,36 @@ def test_rows_count_the_drafts_before_them():
         torch.testing.assert_close(got[j], expected)
 
 
+@pytest.mark.parametrize("drafts", [[], [9, 10, 9, 2], [0, 15, 15]])
+def test_penalties_off_the_cpu_equal_the_cpu_bit_for_bit_without_a_device_read(drafts):
+    """On an accelerator (tests/pretend_device.py) the penalties run over every column instead
+    of the seen ones: the same logits exactly, and nothing read off the device."""
+    from .pretend_device import PretendDevice
+
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.4, frequency_penalty=0.6,
+                            presence_penalty=0.3, logit_bias={3: 2.0}, min_tokens=3,
+                            stop_token_ids=(2,))
+    history = [([4, 5, 6, 5, 0], False), ([8, 9], True), ([9], True)]
+    logits = torch.randn(len(drafts) + 1, 16, generator=g) * 3
+    logits[0, 7] = -0.0  # a signed zero stays as it is
+    on_cpu = PenaltyProcessor(params, 16, torch.device("cpu"))
+    for tokens, output in history:
+        on_cpu.observe(tokens, output)
+    expected = logits.clone()
+    on_cpu.apply(drafts, expected)
+    device = PretendDevice()
+    with device:
+        got = logits.clone().to(device.device)
+        on_device = PenaltyProcessor(params, 16, device.device)
+        device.reset_counts()
+        for tokens, output in history:
+            on_device.observe(tokens, output)
+        on_device.apply(drafts, got)
+        assert device.syncs == 0, dict(device.sync_calls)
+    assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+
+
 def test_logit_bias_outside_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         PenaltyProcessor(SamplingParams(logit_bias={16: 1.0}), 16, torch.device("cpu"))

@@ -1,5 +1,6 @@
-"""Lossless verification (dspark.rejection): known answers, fast path == reference, and
-statistical tests of the joint output distribution that a real bias would fail.
+"""Lossless verification (dspark.rejection): known answers, fast path == reference,
+statistical tests of the joint output distribution that a real bias would fail, and on a pretend
+accelerator the CPU's verdict with nothing read off the device, under every rule.
 
 The statistical tests simulate whole speculative generations of 3 tokens with a toy target and a
 toy drafter, both order-2 Markov models over a 5-token vocabulary (so the target at position k
@@ -523,3 +524,65 @@ def test_the_test_has_power_noise_keyed_by_the_round_fails():
     codes = simulate(MODELS, PLAIN, verifier=invariant_rule_with_noise_keyed_by_round, seed=23,
                      num_trials=20_000)
     assert chi_square_p_value(codes, exact_joint(MODELS, PLAIN)) < P_VALUE_BIASED
+
+
+# ---------------------------------------------------------------- on an accelerator
+
+
+def mixed_batch(case: int) -> tuple[VerifyBatch, RandomDraws]:
+    """A seeded batch mixing greedy, plain, tempered, top-k, top-p and min_p requests, blocks
+    of 0..5 drafts (every block empty in some), dense or sparse draft distributions (one shared
+    support in some)."""
+    g = torch.Generator().manual_seed(case)
+    num_requests = int(torch.randint(1, 9, (1,), generator=g))
+    vocab = [16, 64, 300][case % 3]
+    lens = torch.randint(0, 6, (num_requests,), generator=g) * (case % 7 != 0)
+    num_drafts = int(lens.sum())
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+             SamplingParams(temperature=1.0, top_p=0.8),
+             SamplingParams(temperature=1.3, min_p=0.05)]
+    params = [kinds[int(i)] for i in torch.randint(0, len(kinds), (num_requests,), generator=g)]
+    logits = torch.randn(num_drafts + num_requests, vocab, generator=g) * 3
+    q = torch.softmax(torch.randn(num_drafts, vocab, generator=g) * 3, 1)  # [n_d, V]
+    if case % 2 == 0:
+        tokens = (torch.multinomial(q, 1, generator=g).squeeze(1) if num_drafts
+                  else torch.zeros(0, dtype=torch.int64))
+        probs = q
+    else:  # sparse: each row's 8 most probable tokens, or one support shared by every row
+        top = torch.topk(q, 8, dim=1)
+        ids = top.indices if case % 4 == 1 else top.indices[:1].expand(num_drafts, -1)
+        probs = SparseDraftProbs(ids, top.values / top.values.sum(1, keepdim=True))
+        pick = torch.randint(0, 8, (num_drafts,), generator=g)
+        tokens = ids[torch.arange(num_drafts), pick]
+    draws = draw_uniforms(lens, [CounterGenerator(case * 100 + r) for r in range(num_requests)],
+                          torch.arange(num_requests) * 10 + 5)
+    return VerifyBatch(tokens, lens, probs, logits, params), draws
+
+
+@pytest.mark.parametrize("rule", list(VerificationRule))
+def test_on_a_device_verify_reads_nothing_and_gives_the_cpus_verdict(rule):
+    """Off the CPU (tests/pretend_device.py) every rule takes its device branches (whole
+    distributions, rows chosen by the host's lengths and kinds) and reads nothing: the same
+    accepted counts and tokens as on the CPU, where the per-kind branches read the tensors."""
+    from .pretend_device import PretendDevice
+
+    for case in range(40):
+        batch, draws = mixed_batch(case)
+        expected = verify(batch, draws, rule)
+        device = PretendDevice()
+        with device:
+            on = device.device
+            probs = (SparseDraftProbs(batch.draft_probs.indices.to(on),
+                                      batch.draft_probs.probs.to(on))
+                     if isinstance(batch.draft_probs, SparseDraftProbs)
+                     else batch.draft_probs.to(on))
+            moved = VerifyBatch(batch.draft_tokens.to(on), batch.draft_lens, probs,
+                                batch.target_logits.to(on), batch.sampling)
+            device.reset_counts()
+            got = verify(moved, draws.to(on), rule)
+            assert device.syncs == 0, (case, dict(device.sync_calls))
+            assert device.is_on_device(got.num_accepted) and device.is_on_device(got.next_tokens)
+            accepted, tokens = got.to_host(moved)
+        assert accepted == expected.num_accepted.tolist(), case
+        assert tokens == expected.output_tokens(batch), case

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark.v1 import common_pb2 as dspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64spark/v1/generation.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc3\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.dspark.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11resume_request_id\x18\x07 \x01(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x17\n\x0fresponse_format\x18\x0b \x01(\tB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"j\n\x0bSpecMetrics\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x17\n\x0f\x64rafts_verified\x18\x02 \x01(\x05\x12\x17\n\x0f\x64rafts_accepted\x18\x03 \x01(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x04 \x01(\x01\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xe2\x01\n\rGenerateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.dspark.v1.Usage\x12\'\n\x07metrics\x18\x07 \x01(\x0b\x32\x16.dspark.v1.SpecMetrics\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.dspark.v1.TokenLogprob\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xc1\x01\n\rRequestRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x12\n\noutput_ids\x18\x03 \x03(\x03\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x08 \x01(\t2\x96\x01\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x18.dspark.v1.GenerateReply0\x01\x12\x44\n\nGetRequest\x12\x1c.dspark.v1.GetRequestRequest\x1a\x18.dspark.v1.RequestRecordb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64spark/v1/generation.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfb\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.dspark.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11resume_request_id\x18\x07 \x01(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x17\n\x0fresponse_format\x18\x0b \x01(\t\x12\x0e\n\x01n\x18\x0c \x01(\x05H\x02\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\r \x01(\x05H\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\n\n\x08_best_of\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"j\n\x0bSpecMetrics\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x17\n\x0f\x64rafts_verified\x18\x02 \x01(\x05\x12\x17\n\x0f\x64rafts_accepted\x18\x03 \x01(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x04 \x01(\x01\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xf1\x01\n\rGenerateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.dspark.v1.Usage\x12\'\n\x07metrics\x18\x07 \x01(\x0b\x32\x16.dspark.v1.SpecMetrics\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.dspark.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\x05\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xc1\x01\n\rRequestRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x12\n\noutput_ids\x18\x03 \x03(\x03\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x08 \x01(\t2\x96\x01\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x18.dspark.v1.GenerateReply0\x01\x12\x44\n\nGetRequest\x12\x1c.dspark.v1.GetRequestRequest\x1a\x18.dspark.v1.RequestRecordb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=65
   _globals['_CHATMESSAGE']._serialized_end=109
   _globals['_GENERATEREQUEST']._serialized_start=112
-  _globals['_GENERATEREQUEST']._serialized_end=435
-  _globals['_USAGE']._serialized_start=437
-  _globals['_USAGE']._serialized_end=494
-  _globals['_SPECMETRICS']._serialized_start=496
-  _globals['_SPECMETRICS']._serialized_end=602
-  _globals['_TOKENLOGPROB']._serialized_start=604
-  _globals['_TOKENLOGPROB']._serialized_end=698
-  _globals['_GENERATEREPLY']._serialized_start=701
-  _globals['_GENERATEREPLY']._serialized_end=927
-  _globals['_GETREQUESTREQUEST']._serialized_start=929
-  _globals['_GETREQUESTREQUEST']._serialized_end=968
-  _globals['_REQUESTRECORD']._serialized_start=971
-  _globals['_REQUESTRECORD']._serialized_end=1164
-  _globals['_GENERATION']._serialized_start=1167
-  _globals['_GENERATION']._serialized_end=1317
+  _globals['_GENERATEREQUEST']._serialized_end=491
+  _globals['_USAGE']._serialized_start=493
+  _globals['_USAGE']._serialized_end=550
+  _globals['_SPECMETRICS']._serialized_start=552
+  _globals['_SPECMETRICS']._serialized_end=658
+  _globals['_TOKENLOGPROB']._serialized_start=660
+  _globals['_TOKENLOGPROB']._serialized_end=754
+  _globals['_GENERATEREPLY']._serialized_start=757
+  _globals['_GENERATEREPLY']._serialized_end=998
+  _globals['_GETREQUESTREQUEST']._serialized_start=1000
+  _globals['_GETREQUESTREQUEST']._serialized_end=1039
+  _globals['_REQUESTRECORD']._serialized_start=1042
+  _globals['_REQUESTRECORD']._serialized_end=1235
+  _globals['_GENERATION']._serialized_start=1238
+  _globals['_GENERATION']._serialized_end=1388
 # @@protoc_insertion_point(module_scope)

@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 from dspark.logprobs import MAX_TOP_LOGPROBS
 from services.scheduler.gateway import (CHAT_ROLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                        InvalidRequest, check_stop_strings)
+from services.scheduler.samples import MAX_CHOICES, SampleCounts, sample_counts
 
 MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's limit on the legacy completions' `logprobs`."""
@@ -81,8 +82,6 @@ Number = Annotated[StrictInt | StrictFloat | None, BeforeValidator(_number_or_nu
 Prompt = Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]],
                    BeforeValidator(_prompt_shape)]
 """A string, a list of token ids, or a list of either (several prompts: OpenAI's forms)."""
-MAX_CHOICES = 128
-"""Most generations one request may start (prompts x max(n, best_of))."""
 
 
 class StreamOptions(BaseModel):
@@ -198,9 +197,9 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
-    def samples(self) -> int:
-        """Generations per prompt."""
-        return self.n or 1
+    def counts(self) -> SampleCounts:
+        """Generations per prompt and choices returned per prompt."""
+        return sample_counts(self.n, None)
 
     @property
     def continuous_usage(self) -> bool:
@@ -250,10 +249,11 @@ class CompletionRequest(_GenerationRequest):
     def _logprobs_range(self) -> "CompletionRequest":
         self.logprobs = _top_count(self.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS)
         self.best_of = _count(self.best_of, "best_of", 1, MAX_CHOICES)
-        if self.best_of is not None and self.best_of < (self.n or 1):
-            raise invalid(f"best_of must be >= n, got best_of {self.best_of} and n {self.n}",
-                          "best_of")
-        if self.stream and self.samples > (self.n or 1):
+        try:
+            counts = self.counts
+        except InvalidRequest as e:
+            raise invalid(e.message, e.param) from None
+        if self.stream and counts.ranked:
             raise invalid("best_of > n cannot be streamed (the best are known at the end)",
                           "best_of")
         if self.echo and self.logprobs is not None:
@@ -262,9 +262,9 @@ class CompletionRequest(_GenerationRequest):
         return self
 
     @property
-    def samples(self) -> int:
-        """Generations per prompt: best_of, else n."""
-        return self.best_of or self.n or 1
+    def counts(self) -> SampleCounts:
+        """Generations per prompt (best_of, else n) and choices returned per prompt (n)."""
+        return sample_counts(self.n, self.best_of)
 
     def sampling(self) -> dict[str, Any]:
         return {**super().sampling(), "logprobs": self.logprobs}

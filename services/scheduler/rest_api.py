@@ -56,11 +56,12 @@ from services.scheduler.openai_models import (AssistantMessage, ChatChoice, Chat
                                               CompletionRequest, CompletionResponse,
                                               DeltaMessage, DsparkExtras, ErrorResponse,
                                               ModelCard, ModelList, ResumeRequest,
-                                              MAX_CHOICES, DetokenizeRequest,
+                                              DetokenizeRequest,
                                               DetokenizeResponse, SpecDecodeMetrics,
                                               StoredRequestView, TokenizeRequest,
                                               TokenizeResponse, Usage, VersionResponse)
 from services.scheduler.logprobs_view import TokenStrings, chat_logprobs, completion_logprobs
+from services.scheduler.samples import SampleCounts, best_samples, start_samples
 from services.scheduler.stop_strings import StopStrings
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -372,15 +373,9 @@ class Generation:
         return self.echo[self.prompt_of(stream_index)] if self.echo else ""
 
     def choose(self, outputs: list[Output]) -> list[int]:
-        """The streams whose outputs are returned, in choice order: all of them, or with
-        best_of > n each prompt's n of highest cumulative log-probability (ties: the first)."""
-        if self.samples == self.n:
-            return list(range(len(outputs)))
-        chosen = []
-        for p in range(len(self.prompt_tokens)):
-            group = range(p * self.samples, (p + 1) * self.samples)
-            chosen += sorted(group, key=lambda i: -outputs[i].cumulative_logprob)[:self.n]
-        return chosen
+        """The streams whose outputs are returned, in choice order (samples.best_samples)."""
+        return best_samples([out.cumulative_logprob for out in outputs],
+                            SampleCounts(self.n, self.samples))
 
 
 def _prompt_list(prompt: Any) -> list[Any]:
@@ -388,11 +383,6 @@ def _prompt_list(prompt: Any) -> list[Any]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return list(prompt)
     return [prompt]
-
-
-def _wrap_seed(seed: int) -> int:
-    """seed + i kept a 64-bit signed integer (the proto's and the generator's range)."""
-    return (seed + 2**63) % 2**64 - 2**63
 
 
 class RestApi:
@@ -406,14 +396,13 @@ class RestApi:
     def start(self, body: CompletionRequest | ChatCompletionRequest,
               owner: str) -> "Generation":
         """Validate against the model, tokenize and submit every generation the request asks
-        for (each prompt `body.samples` times; sample i of a seeded request with seed + i; the
-        samples after a prompt's first copy its prompt caches, dspark/forks.py), on
-        the event loop: a hand-off to a worker thread costs more GIL switches than tokenizing
+        for (samples.start_samples: each prompt best_of times, sample i of a seeded request
+        with seed + i, the samples after a prompt's first forking its caches), on the event
+        loop: a hand-off to a worker thread costs more GIL switches than tokenizing
         one prompt. `owner`: the caller's key fingerprint, which the requests are bound to
         (ApiKeys.owner). Gateway.start also writes each request to the store: with Redis down
         that holds this loop for at most the store's 0.5 s timeout, once a second (the store
-        refuses at once in between). All are validated before any is submitted; if a later
-        one is refused (a full queue), the earlier ones are cancelled."""
+        refuses at once in between)."""
         g = self.gateway
         g.check_model(body.model)
         echo: list[str] = []
@@ -425,31 +414,11 @@ class RestApi:
             prompts, kind = [g.encode_prompt(p) for p in texts], "cmpl"
             if body.echo:
                 echo = [p if isinstance(p, str) else g.decode(p) for p in texts]
-        samples = body.samples
-        if len(prompts) * samples > MAX_CHOICES:
-            raise InvalidRequest(f"{len(prompts)} prompts x {samples} samples is more than "
-                                 f"{MAX_CHOICES} generations in one request",
-                                 param="best_of" if getattr(body, "best_of", None) else "n")
+        counts = body.counts
         sampling = body.sampling()
-        report_logprobs = sampling.get("logprobs") is not None
-        if samples > (body.n or 1) and not report_logprobs:
-            sampling["logprobs"] = 0  # best_of ranks by the sampled tokens' log-probabilities
-        seed = sampling.pop("seed")
-        specs = [g.spec(ids, **sampling, seed=None if seed is None else _wrap_seed(seed + i))
-                 for ids in prompts for i in range(samples)]
-        streams: list[GenerationStream] = []
-        try:
-            for index, spec in enumerate(specs):
-                # A prompt's first sample reads it; the others fork it (dspark/forks.py).
-                first = index - index % samples
-                fork_of = streams[first].request_id if index > first else None
-                streams.append(g.start(spec, g.new_request_id(kind), owner, fork_of=fork_of))
-        except BaseException:
-            for stream in streams:
-                stream.cancel()
-            raise
-        return Generation(streams, [len(ids) for ids in prompts], samples, body.n or 1, echo,
-                          report_logprobs)
+        streams = start_samples(g, prompts, counts, sampling, kind, owner)
+        return Generation(streams, [len(ids) for ids in prompts], counts.best_of, counts.n, echo,
+                          sampling["logprobs"] is not None)
 
     async def respond(self, generation: "Generation", request: Request, chat: bool,
                       streaming: bool, stop: list[str], include_usage: bool,

@@ -1,6 +1,7 @@
 """What processing the drafts gains in acceptance: tau with the drafts processed by the request's
-logit_bias, min_tokens and grammar (dspark.models.draft_processing) against drafts from the
-drafter's raw distribution, on the cases where it matters.
+logit_bias, min_tokens, penalties, min_p and grammar (dspark.models.draft_processing,
+dspark.models.draft_sampling) against drafts from the drafter's raw distribution, on the cases
+where it matters.
 
 Cases (the shipped drafter and target, chat template, greedy or `--temperature`):
 - min_tokens: short-answer prompts that end after a few tokens, with min_tokens = `--min-tokens`
@@ -8,13 +9,18 @@ Cases (the shipped drafter and target, chat template, greedy or `--temperature`)
 - logit_bias: eval prompts (gsm8k) with -100 on the tokens most frequent in their plain outputs
   (`--banned`), so the raw drafter proposes banned tokens;
 - json_schema: prompts asking for a person as JSON, under a small schema (the raw drafter
-  proposes tokens the grammar refuses).
+  proposes tokens the grammar refuses);
+- penalties: eval prompts (gsm8k) with `--repetition-penalty`, `--frequency-penalty` and
+  `--presence-penalty` (the target moves mass off the tokens seen, the raw drafter does not);
+- min_p (sampled runs only: greedy ignores it): eval prompts (gsm8k) with `--min-p`.
+`--cases` picks some of them (default: all).
 Every round verifies the whole block (policy fixed:gamma), so tau measures acceptance only.
 The baseline strips the processing from each draft request (`RawDrafts`) in the same process;
 the outputs of the two runs are the same (greedy: asserted; the target decides). Also prints
 the drafting time per round of each (the grammar's per-position matcher costs host time).
 Usage:
     .venv/bin/python bench/draft_processing.py [--limit 8] [--max-tokens 96] [--threads 1]
+        [--cases penalties,min_p]
 """
 
 from __future__ import annotations
@@ -72,8 +78,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 class RawDrafts:
-    """A drafter whose draft requests lose their processing (logit_bias, min_tokens, grammar):
-    the drafts come from the raw distribution, as before draft processing. Times every call."""
+    """A drafter whose draft requests lose their processing (logit_bias, min_tokens, penalties,
+    min_p, grammar): the drafts come from the raw distribution, as before draft processing.
+    Times every call."""
 
     def __init__(self, drafter, raw: bool) -> None:
         self.inner, self.raw = drafter, raw
@@ -84,8 +91,10 @@ class RawDrafts:
 
     def draft(self, requests, **kwargs):
         if self.raw:
-            requests = [dataclasses.replace(r, grammar=None, sampling=dataclasses.replace(
-                r.sampling, logit_bias=(), min_tokens=0)) for r in requests]
+            requests = [dataclasses.replace(r, grammar=None, token_ids=None,
+                                            sampling=dataclasses.replace(
+                r.sampling, logit_bias=(), min_tokens=0, repetition_penalty=1.0,
+                frequency_penalty=0.0, presence_penalty=0.0, min_p=0.0)) for r in requests]
         start = time.perf_counter()
         blocks = self.inner.draft(requests, **kwargs)
         self.seconds += time.perf_counter() - start
@@ -137,6 +146,13 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--min-tokens", type=int, default=64)
     parser.add_argument("--banned", type=int, default=2, help="tokens banned by logit_bias")
+    parser.add_argument("--repetition-penalty", type=float, default=1.2)
+    parser.add_argument("--frequency-penalty", type=float, default=0.5)
+    parser.add_argument("--presence-penalty", type=float, default=0.5)
+    parser.add_argument("--min-p", type=float, default=0.1)
+    parser.add_argument("--cases", default="min_tokens,logit_bias,json_schema,penalties,min_p",
+                        help="comma-separated: min_tokens, logit_bias, json_schema, penalties, "
+                             "min_p (min_p only with --temperature > 0)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -159,15 +175,29 @@ def main() -> int:
     gsm8k = [encode_chat(tokenizer, t)
              for t in read_eval_prompts(args.eval_dir / "gsm8k.jsonl", args.limit)]
     people = [encode_chat(tokenizer, q) for q in PERSON_PROMPTS[:args.limit]]
-    plain = run(runner, drafter, grammars, False, gsm8k, seeded(), args.max_tokens, stops)
-    counts = collections.Counter(t for out in plain["outputs"] for t in out if t not in stops)
-    banned = [t for t, _ in counts.most_common(args.banned)]
-    cases = {
-        f"min_tokens={args.min_tokens}": (short, seeded(min_tokens=args.min_tokens), None),
-        f"logit_bias -100 on {[tokenizer.decode([t]) for t in banned]}": (
-            gsm8k, seeded(logit_bias={t: -100.0 for t in banned}), None),
-        "json_schema": (people, seeded(), GrammarSpec.json_schema(SCHEMA)),
-    }
+    chosen = set(args.cases.split(","))
+    unknown = chosen - {"min_tokens", "logit_bias", "json_schema", "penalties", "min_p"}
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}")
+    cases = {}
+    if "min_tokens" in chosen:
+        cases[f"min_tokens={args.min_tokens}"] = (short, seeded(min_tokens=args.min_tokens), None)
+    if "logit_bias" in chosen:
+        plain = run(runner, drafter, grammars, False, gsm8k, seeded(), args.max_tokens, stops)
+        counts = collections.Counter(t for out in plain["outputs"] for t in out if t not in stops)
+        banned = [t for t, _ in counts.most_common(args.banned)]
+        cases[f"logit_bias -100 on {[tokenizer.decode([t]) for t in banned]}"] = (
+            gsm8k, seeded(logit_bias={t: -100.0 for t in banned}), None)
+    if "json_schema" in chosen:
+        cases["json_schema"] = (people, seeded(), GrammarSpec.json_schema(SCHEMA))
+    if "penalties" in chosen:
+        cases[f"repetition_penalty={args.repetition_penalty:g}, frequency_penalty="
+              f"{args.frequency_penalty:g}, presence_penalty={args.presence_penalty:g}"] = (
+            gsm8k, seeded(repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty), None)
+    if "min_p" in chosen and T > 0:
+        cases[f"min_p={args.min_p:g}"] = (gsm8k, seeded(min_p=args.min_p), None)
     print(f"# {cpu_line()}; torch {torch.__version__}, {args.threads} threads; "
           f"{args.checkpoint}, temperature {T:g}, fixed:{drafter.gamma}, {args.limit} prompts "
           f"a case, {args.max_tokens} tokens", flush=True)

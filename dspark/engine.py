@@ -52,7 +52,7 @@ from dspark.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics
 from dspark.round_policy import make_round_policy
 from dspark.sampling import SamplingParams
 from dspark.seeded_admission import gate_bypassed, override_seeded
-from dspark.structured_output import GrammarSpec
+from dspark.structured_output import GrammarRequest, GrammarSpec
 from dspark.step_result import (EngineStats, RoundRecord, RoundStats, StepOutput,  # noqa: F401
                                 StepResult)
 from dspark.verifier import PrefillChunk, TargetVerifier, VerifyOutput, VerifyRequest
@@ -426,13 +426,17 @@ class Engine:
         num_positions = (gamma if gate_bypassed(kind, seeded)
                          else self.policy.positions_to_draft(gamma))
         # A verifier in this process (the embedded engine) holds the requests' grammar states
-        # at their committed output: the drafter masks its drafts with them. A remote one does
-        # not, and the drafts go unmasked (still exact).
+        # at their committed output: the drafter masks its drafts with them. A drafter in
+        # another process builds its own from the grammar's spec (RemoteDrafter).
         grammars = getattr(self.verifier, "grammar_states", {})
         drafted_blocks = self.drafter.draft(
             [DraftRequest(r.request_id, r.output_ids[-1], r.anchor_position, r.sampling,
                           r.generator, r.num_output,
-                          grammars.get(r.request_id) if r.grammar is not None else None)
+                          grammars.get(r.request_id) if r.grammar is not None else None,
+                          GrammarRequest(r.grammar, tuple(sorted(r.stop_token_ids)))
+                          if r.grammar is not None else None,
+                          # The penalties count the tokens before each draft.
+                          r.prompt_ids + r.output_ids if r.sampling.has_penalties else None)
              for r in drafted],
             sparse_top_k=self.config.sparse_top_k, num_positions=num_positions)
         # Confidences [S, num_positions] for the admission and the draft tokens for the target's

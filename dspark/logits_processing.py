@@ -6,7 +6,8 @@ as the target distribution p at each verified row is the one the request's param
 that row's prefix. Verify-row j of request r follows prompt + output + anchor + drafts[:j], so
 its processed logits count those tokens: the penalties count the drafts before row j, and
 min_tokens counts them as output. Any q is exact; the drafts are processed too (logit_bias,
-min_tokens' ban: dspark.models.draft_processing) only so that fewer are rejected. The prefill's
+min_tokens' ban and the penalties through `apply_penalties`: dspark.models.draft_processing)
+only so that fewer are rejected. The prefill's
 first token and target-only decoding (`--policy none`, rows with no drafts) go through the same
 code.
 
@@ -44,6 +45,7 @@ request without processing has no entry and costs nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Hashable, Protocol, Sequence
 
 import torch
@@ -86,8 +88,7 @@ class PenaltyProcessor:
                                         device=self.device)  # [num_biased]
         stops = [t for t in params.stop_token_ids if t < vocab_size] if params.min_tokens else []
         self.stop_ids = torch.tensor(stops, dtype=torch.int64, device=self.device)  # [num_stop]
-        self.penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                          or params.presence_penalty != 0.0)
+        self.penalised = params.has_penalties
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)  # [V]
         self.seen_ids = torch.zeros(0, dtype=torch.int64, device=self.device)  # [num_seen] sorted
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float32,
@@ -144,22 +145,48 @@ class PenaltyProcessor:
                 (torch.tensor(rows).to(self.device, non_blocking=True), columns),
                 torch.ones(len(rows), device=self.device), accumulate=True)
         columns_logits = logits if ids is None else logits[:, ids]  # [R, K]
+        seen = self.seen if ids is None else self.seen[ids]  # [K]
         # 3. repetition over prompt and output (drafts included), 4. frequency and presence.
-        p = self.params.repetition_penalty
-        if p != 1.0:
-            seen = (self.seen if ids is None else self.seen[ids]) | (counts > 0)  # [R, K]
-            columns_logits = torch.where(seen, torch.where(columns_logits > 0,
-                                                           columns_logits / p,
-                                                           columns_logits * p), columns_logits)
-        f, a = self.params.frequency_penalty, self.params.presence_penalty
-        if f:
-            columns_logits = columns_logits - f * counts
-        if a:
-            columns_logits = columns_logits - a * (counts > 0).float()
+        columns_logits = apply_penalties(columns_logits, seen | (counts > 0), counts, self.params)
         if ids is None:
             logits.copy_(columns_logits)
         else:
             logits[:, ids] = columns_logits
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor,
+                    params: SamplingParams | PenaltyTensors) -> torch.Tensor:
+    """Steps 3 and 4 of the module docstring on some columns of some rows: logits [R, K]
+    float32, seen [R, K] bool (the column's token is in the prompt or the output), counts
+    [R, K] float32 (its count in the output) -> the penalised logits [R, K] (a new tensor).
+    `params`: one request's (every row alike), or per row (`PenaltyTensors`). The target's rows
+    (PenaltyProcessor) and the drafts (dspark.models.draft_processing) both go through here."""
+    assert seen.shape == counts.shape == logits.shape, (logits.shape, seen.shape, counts.shape)
+    p, f, a = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    if isinstance(p, torch.Tensor) or p != 1.0:
+        logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+    if isinstance(f, torch.Tensor) or f:
+        logits = logits - f * counts
+    if isinstance(a, torch.Tensor) or a:
+        logits = logits - a * (counts > 0).float()
+    return logits
+
+
+@dataclass
+class PenaltyTensors:
+    """Several requests' penalties, one row each: [R, 1] float32 (broadcast over the columns)."""
+
+    repetition_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams], device: torch.device) -> "PenaltyTensors":
+        column = lambda values: torch.tensor(values, dtype=torch.float32).unsqueeze(1).to(  # noqa: E731
+            device, non_blocking=True)
+        return PenaltyTensors(column([p.repetition_penalty for p in params]),
+                              column([p.frequency_penalty for p in params]),
+                              column([p.presence_penalty for p in params]))
 
 
 class LogitsProcessing:

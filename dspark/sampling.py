@@ -120,7 +120,13 @@ class SamplingParams:
         """Some logit-space parameter is on (dspark.logits_processing applies them): a logit
         bias, min_tokens with stop tokens to hold back, or a penalty."""
         return bool(self.logit_bias or (self.min_tokens and self.stop_token_ids)
-                    or self.presence_penalty or self.frequency_penalty
+                    or self.has_penalties)
+
+    @property
+    def has_penalties(self) -> bool:
+        """A repetition, frequency or presence penalty is on: the logits depend on the tokens
+        of the prompt and output (dspark.logits_processing)."""
+        return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
 
     @property

@@ -21,9 +21,11 @@ reads the target only through those logits. A draft the grammar refuses has p'(x
 row, so it is rejected, and the rows after it are never used (token rule: the first rejection
 ends the block; block rule: its weight and every later one are 0); they keep the unmasked
 logits. Rejection sampling is exact for any draft distribution, so the drafts need no mask for
-exactness; the embedded engine masks them too (dspark.models.draft_processing: each position
+exactness; the drafter masks them too (dspark.models.draft_processing: each position
 with this state's `allowed_tokens`, following the drafts by `try_accept` and `rollback`), so
-that fewer are rejected.
+that fewer are rejected: in the embedded engine with the verifier's state, in the drafter
+service with its own, compiled from the spec and advanced through the request's output
+(services/drafter/request_tokens.py).
 """
 
 from __future__ import annotations

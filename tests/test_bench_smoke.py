@@ -42,6 +42,10 @@ EXEMPT = {
     "draft_processing.py": "tau with and without processed drafts on the real target and drafter (its "
                            "JSON case needs a tokenizer that can spell JSON); "
                            "tests/models/test_draft_processing.py tests the processing",
+    "draft_processing_services.py": "two service stacks of the real target and drafter, one with an "
+                                    "older checkout's drafter service; "
+                                    "tests/services/test_draft_processing_through_services.py "
+                                    "tests the drafter service's processing",
     "fork_prefill.py": "n samples of a 500-token prompt on the real target and the shipped drafter; "
                        "tests/test_forks.py tests forks on the tiny target",
     "grammar_mask.py": "a JSON grammar needs a tokenizer that can spell JSON (the real target's); "

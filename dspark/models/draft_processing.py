@@ -1,11 +1,14 @@
-"""The request's logit processing applied to its drafts: logit_bias, min_tokens' stop-token ban
-and the grammar mask, on the draft logits before they are sampled.
+"""The request's logit processing applied to its drafts: logit_bias, min_tokens' stop-token ban,
+the repetition / frequency / presence penalties and the grammar mask, on the draft logits before
+they are sampled (min_p, like temperature, top-k and top-p, is applied by the sampling itself:
+dspark.models.draft_sampling).
 
 Why. The target's rows are processed (dspark.logits_processing, dspark.structured_output), so a
 draft that the processing forbids has target probability 0 and is always rejected: under
 min_tokens a drafted EOS, under a logit_bias of -100 the banned token, under a JSON grammar a
-token the mask refuses. Each such draft ends its block. Processing the drafts the same way moves
-their mass to tokens the target can accept.
+token the mask refuses. Each such draft ends its block; and a penalised target moves its mass
+away from the tokens seen, which the raw drafter keeps proposing. Processing the drafts the same
+way moves their mass to tokens the target can accept.
 
 Exactness. Rejection sampling is exact for any draft distribution q as long as q is the one the
 draft was drawn from. The processing here changes the logits before `sample_block_position`
@@ -18,10 +21,16 @@ What applies at block position k (1-based; draft x_k follows the anchor and x_1.
 - min_tokens: the stop tokens (SamplingParams.stop_token_ids) at -inf while the output before
   x_k, `num_output + k - 1` tokens (num_output counts the anchor), is below min_tokens: the
   target's rule for the same row (dspark.logits_processing);
+- the penalties, vLLM's order after the bias (dspark.logits_processing.apply_penalties, the
+  function the target's rows go through): repetition over the tokens of prompt and output,
+  frequency and presence over the output counts, where the output before x_k is the request's
+  output (`DraftRequest.token_ids`: its last num_output tokens, anchor included) and
+  x_1..x_{k-1}, as the target's row for x_k counts them if they are accepted; held per row as
+  [V_d] seen flags and counts of the draft ids, the counts advanced by each sampled draft;
 - the grammar: `DraftRequest.grammar`, the request's matcher after its committed output (anchor
   included), masks position k with the tokens allowed after x_1..x_{k-1}; the matcher is
   advanced through the sampled drafts and rolled back at the end of the call (`finish`).
-The penalties are not applied: they only rescale the logits of tokens seen, and any q is exact.
+The masks (-inf) and the penalties commute: a penalty keeps -inf at -inf.
 
 A row whose processing leaves no finite logit (a reduced draft vocabulary without any token the
 grammar allows) keeps its unprocessed logits: q stays a distribution, and its drafts are
@@ -34,6 +43,7 @@ from typing import Sequence
 
 import torch
 
+from dspark.logits_processing import PenaltyTensors, apply_penalties
 from dspark.models.draft_types import DraftRequest
 
 
@@ -54,6 +64,15 @@ class DraftProcessing:
         """(row, stop draft ids [s], positions held): the first `held` positions ban the stops."""
         self.grammar_rows: list[tuple[int, object]] = []
         """(row, grammar state) of the constrained rows."""
+        self.penalty_rows: torch.Tensor | None = None
+        """[P] the rows with a penalty, None = no row has one."""
+        self.seen: torch.Tensor | None = None
+        """[P, V_d] bool: the draft id's token is in the row's prompt or output."""
+        self.output_counts: torch.Tensor | None = None
+        """[P, V_d] float32: the draft id's count in the row's output and the block's drafts so
+        far (advanced by `advance`)."""
+        self.penalties: PenaltyTensors | None = None
+        """[P, 1] each penalised row's penalties."""
         self.target_ids: torch.Tensor | None = None
         """[V_d] the target id of each draft id (the grammar masks are over target ids)."""
         self._advanced: dict[int, int] = {}
@@ -71,15 +90,16 @@ class DraftProcessing:
         out = DraftProcessing(R, V_d, device)
         host = None if target_to_draft is None else target_to_draft.cpu()  # [V], read once
 
-        def draft_ids(ids: Sequence[int]) -> list[tuple[int, int]]:
-            """(position in ids, draft id) of the target ids that are in the draft vocabulary."""
+        def to_draft(ids: Sequence[int]) -> torch.Tensor:
+            """The draft id of each target id [n] (-1 outside the draft vocabulary)."""
             ids_t = torch.tensor(list(ids), dtype=torch.int64)
             if host is None:
-                mapped = torch.where(ids_t < V_d, ids_t, -1)
-            else:
-                mapped = torch.where(ids_t < host.shape[0], host[ids_t.clamp(max=host.shape[0] - 1)],
-                                     -1)
-            return [(i, int(d)) for i, d in enumerate(mapped.tolist()) if d >= 0]
+                return torch.where(ids_t < V_d, ids_t, -1)
+            return torch.where(ids_t < host.shape[0], host[ids_t.clamp(max=host.shape[0] - 1)], -1)
+
+        def draft_ids(ids: Sequence[int]) -> list[tuple[int, int]]:
+            """(position in ids, draft id) of the target ids that are in the draft vocabulary."""
+            return [(i, d) for i, d in enumerate(to_draft(ids).tolist()) if d >= 0]
 
         bias_rows: list[tuple[int, list[int], list[float]]] = []
         for r, req in enumerate(requests):
@@ -101,7 +121,31 @@ class DraftProcessing:
             for r, ids, values in bias_rows:
                 bias[r, ids] = torch.tensor(values, dtype=torch.float32)
             out.bias = bias.to(device, non_blocking=True)
-        if not (bias_rows or out.stop_rows or out.grammar_rows):
+        penalised = [r for r, req in enumerate(requests) if req.sampling.has_penalties]
+        if penalised:
+            seen = torch.zeros(len(penalised), V_d, dtype=torch.bool)  # [P, V_d] on the host
+            counts = torch.zeros(len(penalised), V_d, dtype=torch.float32)  # [P, V_d]
+            for i, r in enumerate(penalised):
+                req = requests[r]
+                tokens = req.token_ids
+                if tokens is None or len(tokens) != req.anchor_position + 1:
+                    raise ValueError(f"request {req.request_id!r} has penalties: its draft "
+                                     f"request needs its {req.anchor_position + 1} tokens up to "
+                                     "the anchor (token_ids)")
+                if not 0 <= req.num_output <= len(tokens):
+                    raise ValueError(f"request {req.request_id!r}: num_output "
+                                     f"{req.num_output} outside 0..{len(tokens)}")
+                mapped = to_draft(tokens)  # [n]
+                seen[i, mapped[mapped >= 0]] = True
+                output = mapped[len(tokens) - req.num_output:]  # [num_output]
+                counts[i] = torch.bincount(output[output >= 0], minlength=V_d).float()
+            out.penalty_rows = torch.tensor(penalised, dtype=torch.int64).to(device,
+                                                                              non_blocking=True)
+            out.seen = seen.to(device, non_blocking=True)
+            out.output_counts = counts.to(device, non_blocking=True)
+            out.penalties = PenaltyTensors.from_params([requests[r].sampling for r in penalised],
+                                                       device)
+        if not (bias_rows or out.stop_rows or out.grammar_rows or penalised):
             return None
         if out.grammar_rows:
             out.target_ids = target_ids.cpu()
@@ -119,6 +163,11 @@ class DraftProcessing:
         processed logits [R, V_d] (a new tensor; rows without processing unchanged)."""
         assert logits.shape == (self.num_rows, self.draft_vocab_size), logits.shape
         out = logits if self.bias is None else logits + self.bias
+        if self.penalty_rows is not None:
+            rows = self.penalty_rows
+            penalised = apply_penalties(out[rows], self.seen | (self.output_counts > 0),
+                                        self.output_counts, self.penalties)  # [P, V_d]
+            out = out.index_copy(0, rows, penalised)  # a new tensor
         banned = [(r, stops) for r, stops, held in self.stop_rows if k < held]
         grammar = [(r, state) for r, state in self.grammar_rows if r in self._live]
         if not banned and not grammar:
@@ -136,9 +185,15 @@ class DraftProcessing:
         finite = torch.isfinite(masked).any(dim=1, keepdim=True)  # [R, 1]
         return torch.where(finite, masked, logits)
 
-    def advance(self, target_tokens: torch.Tensor) -> None:
-        """The position's sampled drafts [R] (target ids): each constrained row's matcher
-        accepts its own (one host read, only while some constrained row follows)."""
+    def advance(self, draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> None:
+        """The position's sampled drafts [R], as draft ids and as target ids: each penalised
+        row counts its own as output (on the device), each constrained row's matcher accepts
+        its own (one host read, only while some constrained row follows)."""
+        if self.penalty_rows is not None:
+            rows = self.penalty_rows
+            self.output_counts.index_put_(
+                (torch.arange(rows.shape[0], device=rows.device), draft_tokens[rows]),
+                torch.ones(rows.shape[0], device=rows.device), accumulate=True)
         if not self._live:
             return
         tokens = target_tokens.tolist()

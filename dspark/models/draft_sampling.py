@@ -2,7 +2,8 @@
 
 `plan_rows` groups the requests once per call (`RowPlan`): sparse rows (greedy: k = 1; a top_k
 parameter or drafter-side truncation: k) draw from the renormalised top-k of their logits, dense
-rows from the full draft vocabulary (returned sparse over it when it is reduced: its V_d target
+rows from the full draft vocabulary, each after the request's temperature, min_p and top_p
+(`dspark.sampling.probs_from_logits`, the target's function) (returned sparse over it when it is reduced: its V_d target
 ids are the support). `sample_block_position` then draws position k for all of
 them from the uniforms `draft_uniforms` keys by each request's seed and anchor, and
 `assemble_blocks` turns the positions into one `DraftBlock` per request.
@@ -91,7 +92,8 @@ def plan_rows(requests: Sequence[DraftRequest], vocab_size: int,
         # read while sampling (top_k is off: the truncation is done by topk).
         plan.sparse_params = SamplingTensors(temperature, torch.zeros_like(k_tensor),
                                              _select(sparse_index, sampling.top_p),
-                                             _kinds_without_top_k(requests, sparse_rows))
+                                             _kinds_without_top_k(requests, sparse_rows),
+                                             _min_p(sampling, sparse_index, requests, sparse_rows))
         greedy = [i for i, r in enumerate(sparse_rows) if requests[r].sampling.is_greedy]
         if greedy:
             plan.sparse_greedy = torch.tensor(greedy, dtype=torch.int64).to(device,
@@ -100,7 +102,8 @@ def plan_rows(requests: Sequence[DraftRequest], vocab_size: int,
         plan.dense_params = SamplingTensors(_select(dense_index, sampling.temperature),
                                             _select(dense_index, sampling.top_k),
                                             _select(dense_index, sampling.top_p),
-                                            _kinds_without_top_k(requests, dense_rows))
+                                            _kinds_without_top_k(requests, dense_rows),
+                                            _min_p(sampling, dense_index, requests, dense_rows))
     generators = [CounterGenerator.resolve(r.generator, r.sampling.seed) for r in requests]
     if any(g.shared_noise and not r.sampling.is_greedy for g, r in zip(generators, requests)):
         plan.gumbel_rows = torch.tensor([g.shared_noise for g in generators], device=device)
@@ -115,7 +118,20 @@ def _kinds_without_top_k(requests: Sequence[DraftRequest], rows: list[int]) -> S
     from the device. No top-k: a sparse row's truncation is done by topk, and a dense row has
     none (top_k 0, or at least the vocabulary)."""
     return SamplingKinds.of([SamplingParams(requests[r].sampling.temperature, 0,
-                                            requests[r].sampling.top_p) for r in rows])
+                                            requests[r].sampling.top_p,
+                                            min_p=requests[r].sampling.min_p) for r in rows])
+
+
+def _min_p(sampling: SamplingTensors, index: torch.Tensor | None,
+           requests: Sequence[DraftRequest], rows: list[int]) -> torch.Tensor | None:
+    """These rows' min_p [n] (None: none of them has one). A sparse row applies it to its top-k
+    logits: min_p keeps the tokens whose probability is at least min_p times the largest, a
+    most-probable prefix as the top-k is, and a probability's ratio to the largest is the same
+    over the top-k as over the vocabulary; so the kept set is the one min_p, then top-k, keep
+    over the whole row (vLLM's order, dspark.sampling)."""
+    if sampling.min_p is None or not any(requests[r].sampling.min_p > 0.0 for r in rows):
+        return None
+    return _select(index, sampling.min_p)
 
 
 def position_noise(plan: RowPlan, k: int, target_ids: torch.Tensor) -> torch.Tensor | None:

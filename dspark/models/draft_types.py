@@ -28,7 +28,7 @@ from dspark.random_draws import CounterGenerator
 from dspark.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from dspark.structured_output import GrammarState
+    from dspark.structured_output import GrammarRequest, GrammarState
 
 
 @dataclass
@@ -52,7 +52,16 @@ class DraftRequest:
     grammar: GrammarState | None = None
     """Structured output: the request's grammar matcher after its committed output, anchor
     included; the drafter masks each position with it, follows its drafts and rolls back
-    (dspark.models.draft_processing). None = no grammar, or none this drafter can see."""
+    (dspark.models.draft_processing). None = no grammar, or a drafter in another process
+    (which builds its own from `grammar_request`)."""
+    grammar_request: GrammarRequest | None = None
+    """Structured output for a drafter in another process (dspark.serving.remote_drafter): the
+    spec and the stop tokens it builds its own matcher from (`grammar` is the matcher a drafter
+    in the verifier's process reads). None = no grammar."""
+    token_ids: Sequence[int] | None = None
+    """The request's tokens at positions 0..anchor_position (prompt, then output, the anchor
+    last; the last num_output of them are output): the penalties read them. None = the
+    request has no penalty (SamplingParams.has_penalties)."""
 
 
 @dataclass

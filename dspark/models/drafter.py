@@ -483,7 +483,7 @@ class DSparkDrafter(FrozenTargetHead):
             samples.append(sample)
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
             if processing is not None:
-                processing.advance(prev)
+                processing.advance(sample.tokens, prev)
         if processing is not None:
             processing.finish()
         return samples, (torch.stack(w1_prevs, dim=1) if w1_prevs else None)

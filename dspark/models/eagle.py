@@ -324,7 +324,7 @@ class EagleDrafter(FrozenTargetHead):
             samples.append(sample)
             prev = self.draft_to_target[sample.tokens] if reduced else sample.tokens
             if processing is not None:
-                processing.advance(prev)
+                processing.advance(sample.tokens, prev)
             hidden = out
         if processing is not None:
             processing.finish()

@@ -66,14 +66,34 @@ def grammar_from_pb(item) -> GrammarRequest | None:
     if not item.HasField("grammar"):
         return None
     msg = item.grammar
+    return GrammarRequest(*_spec_and_stops(item.request_id, msg),
+                          tuple(int(t) for t in msg.replay_tokens) if msg.rebuild else None)
+
+
+def draft_grammar_to_pb(grammar: GrammarRequest | None) -> "pb.drafter.DraftGrammar | None":
+    """A draft item's grammar: the spec and stop tokens (the drafter follows the output itself)."""
+    if grammar is None:
+        return None
+    return pb.drafter.DraftGrammar(spec_json=grammar.spec.to_json(),
+                                   stop_token_ids=list(grammar.stop_token_ids))
+
+
+def draft_grammar_from_pb(item) -> GrammarRequest | None:
+    """A DraftItem's grammar (None when absent); raises ValueError naming a bad spec."""
+    if not item.HasField("grammar"):
+        return None
+    return GrammarRequest(*_spec_and_stops(item.request_id, item.grammar))
+
+
+def _spec_and_stops(request_id: str, msg) -> tuple[GrammarSpec, tuple[int, ...]]:
+    """A grammar message's spec and stop tokens; ValueError naming what is wrong."""
     try:
         spec = GrammarSpec.from_json(msg.spec_json)
     except (ValueError, KeyError, TypeError) as e:  # InvalidGrammar is a ValueError
-        raise ValueError(f"{item.request_id}: grammar.spec_json: {e}") from None
+        raise ValueError(f"{request_id}: grammar.spec_json: {e}") from None
     if not msg.stop_token_ids:
-        raise InvalidGrammar(f"{item.request_id}: grammar without stop_token_ids")
-    return GrammarRequest(spec, tuple(int(t) for t in msg.stop_token_ids),
-                          tuple(int(t) for t in msg.replay_tokens) if msg.rebuild else None)
+        raise InvalidGrammar(f"{request_id}: grammar without stop_token_ids")
+    return spec, tuple(int(t) for t in msg.stop_token_ids)
 
 
 def logprobs_to_pb(logprobs: TokenLogprobs | None) -> "pb.common.TokenLogprobs":

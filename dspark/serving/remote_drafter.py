@@ -202,7 +202,8 @@ class RemoteDrafter:
         return pb.drafter.DraftItem(request_id=str(r.request_id), anchor_token=int(r.anchor_token),
                                     anchor_position=int(r.anchor_position),
                                     sampling=messages.sampling_to_pb(r.sampling, r.generator),
-                                    num_output=int(r.num_output))
+                                    num_output=int(r.num_output),
+                                    grammar=messages.draft_grammar_to_pb(r.grammar_request))
 
     def _pending_updates(self, request_ids) -> list:
         """One ContextUpdate per named request with unsent context: its unsent pieces joined."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark.v1 import common_pb2 as dspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64spark/v1/drafter.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"X\n\x0b\x44rafterInfo\x12\r\n\x05gamma\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x0c\n\x04name\x18\x04 \x01(\t\"\xa3\x01\n\rContextUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12$\n\tpositions\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12$\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\r\n\x05reset\x18\x05 \x01(\x08\"I\n\x0b\x43ontextFork\x12\x11\n\tparent_id\x18\x01 \x01(\t\x12\x10\n\x08\x63hild_id\x18\x02 \x01(\t\x12\x15\n\rnum_positions\x18\x03 \x01(\x03\"\x8f\x01\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61nchor_token\x18\x02 \x01(\x03\x12\x17\n\x0f\x61nchor_position\x18\x03 \x01(\x03\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x12\n\nnum_output\x18\x05 \x01(\x03\"\xcb\x02\n\nDraftRound\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12)\n\x07\x63ontext\x18\x02 \x03(\x0b\x32\x18.dspark.v1.ContextUpdate\x12&\n\x08requests\x18\x03 \x03(\x0b\x32\x14.dspark.v1.DraftItem\x12\x0f\n\x07release\x18\x04 \x03(\t\x12\x14\n\x0csparse_top_k\x18\x05 \x01(\x05\x12>\n\rtrace_context\x18\x06 \x03(\x0b\x32\'.dspark.v1.DraftRound.TraceContextEntry\x12\x15\n\rnum_positions\x18\x07 \x01(\x05\x12%\n\x05\x66orks\x18\x08 \x03(\x0b\x32\x16.dspark.v1.ContextFork\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc5\x01\n\x0c\x44raftedBlock\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12!\n\x06tokens\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12 \n\x05probs\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12&\n\x0b\x63onfidences\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\"\n\x07indices\x18\x06 \x01(\x0b\x32\x11.dspark.v1.Tensor2~\n\x07\x44rafter\x12\x36\n\x04Info\x12\x16.dspark.v1.InfoRequest\x1a\x16.dspark.v1.DrafterInfo\x12;\n\x05\x44raft\x12\x15.dspark.v1.DraftRound\x1a\x17.dspark.v1.DraftedBlock(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64spark/v1/drafter.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"X\n\x0b\x44rafterInfo\x12\r\n\x05gamma\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x0c\n\x04name\x18\x04 \x01(\t\"\xa3\x01\n\rContextUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12$\n\tpositions\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12$\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\r\n\x05reset\x18\x05 \x01(\x08\"I\n\x0b\x43ontextFork\x12\x11\n\tparent_id\x18\x01 \x01(\t\x12\x10\n\x08\x63hild_id\x18\x02 \x01(\t\x12\x15\n\rnum_positions\x18\x03 \x01(\x03\"\xb9\x01\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61nchor_token\x18\x02 \x01(\x03\x12\x17\n\x0f\x61nchor_position\x18\x03 \x01(\x03\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x12\n\nnum_output\x18\x05 \x01(\x03\x12(\n\x07grammar\x18\x06 \x01(\x0b\x32\x17.dspark.v1.DraftGrammar\"9\n\x0c\x44raftGrammar\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x03\"\xcb\x02\n\nDraftRound\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12)\n\x07\x63ontext\x18\x02 \x03(\x0b\x32\x18.dspark.v1.ContextUpdate\x12&\n\x08requests\x18\x03 \x03(\x0b\x32\x14.dspark.v1.DraftItem\x12\x0f\n\x07release\x18\x04 \x03(\t\x12\x14\n\x0csparse_top_k\x18\x05 \x01(\x05\x12>\n\rtrace_context\x18\x06 \x03(\x0b\x32\'.dspark.v1.DraftRound.TraceContextEntry\x12\x15\n\rnum_positions\x18\x07 \x01(\x05\x12%\n\x05\x66orks\x18\x08 \x03(\x0b\x32\x16.dspark.v1.ContextFork\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc5\x01\n\x0c\x44raftedBlock\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12!\n\x06tokens\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12 \n\x05probs\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12&\n\x0b\x63onfidences\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\"\n\x07indices\x18\x06 \x01(\x0b\x32\x11.dspark.v1.Tensor2~\n\x07\x44rafter\x12\x36\n\x04Info\x12\x16.dspark.v1.InfoRequest\x1a\x16.dspark.v1.DrafterInfo\x12;\n\x05\x44raft\x12\x15.dspark.v1.DraftRound\x1a\x17.dspark.v1.DraftedBlock(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,13 +41,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTEXTFORK']._serialized_start=318
   _globals['_CONTEXTFORK']._serialized_end=391
   _globals['_DRAFTITEM']._serialized_start=394
-  _globals['_DRAFTITEM']._serialized_end=537
-  _globals['_DRAFTROUND']._serialized_start=540
-  _globals['_DRAFTROUND']._serialized_end=871
-  _globals['_DRAFTROUND_TRACECONTEXTENTRY']._serialized_start=820
-  _globals['_DRAFTROUND_TRACECONTEXTENTRY']._serialized_end=871
-  _globals['_DRAFTEDBLOCK']._serialized_start=874
-  _globals['_DRAFTEDBLOCK']._serialized_end=1071
-  _globals['_DRAFTER']._serialized_start=1073
-  _globals['_DRAFTER']._serialized_end=1199
+  _globals['_DRAFTITEM']._serialized_end=579
+  _globals['_DRAFTGRAMMAR']._serialized_start=581
+  _globals['_DRAFTGRAMMAR']._serialized_end=638
+  _globals['_DRAFTROUND']._serialized_start=641
+  _globals['_DRAFTROUND']._serialized_end=972
+  _globals['_DRAFTROUND_TRACECONTEXTENTRY']._serialized_start=921
+  _globals['_DRAFTROUND_TRACECONTEXTENTRY']._serialized_end=972
+  _globals['_DRAFTEDBLOCK']._serialized_start=975
+  _globals['_DRAFTEDBLOCK']._serialized_end=1172
+  _globals['_DRAFTER']._serialized_start=1174
+  _globals['_DRAFTER']._serialized_end=1300
 # @@protoc_insertion_point(module_scope)

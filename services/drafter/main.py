@@ -24,6 +24,7 @@ def build_servicer(config: DrafterServiceConfig, tracer):
     from dspark.paths import DEFAULT_DRAFTER
     from dspark.models.drafter_config import DrafterConfig
     from dspark.rejection import VerificationRule
+    from dspark.structured_output import GrammarCompiler
     from services.drafter.servicer import DrafterServicer
 
     torch.set_num_threads(config.threads)
@@ -38,8 +39,11 @@ def build_servicer(config: DrafterServiceConfig, tracer):
     head = target_head(host, resolve_device(config.device))
     del host
     drafter = load_method_drafter(drafter_dir, head, apply_calibration=True)
+    # Structured output masks the drafts with grammars compiled over the target's tokenizer
+    # (read on the first grammar), as the verifier masks the target's rows.
     return DrafterServicer(drafter, head.vocab_size, list(layer_ids), drafter_dir.name, tracer,
-                           config.idle_expiry_seconds, VerificationRule(config.verification))
+                           config.idle_expiry_seconds, VerificationRule(config.verification),
+                           GrammarCompiler(model_dir, head.vocab_size))
 
 
 def target_head(runner, device: str):

@@ -11,6 +11,11 @@ that drafter and verifier key one request alike. Under the drafter-invariant rul
 verifier's) the drafts are Gumbel-max samples with the noise the target samples with, as the
 embedded engine drafts (dspark.gumbel_verification.request_generator). One lock: the model drafts one round at
 a time even if two schedulers are connected.
+
+Draft processing (dspark.models.draft_processing) as in the embedded engine: logit_bias,
+min_tokens, the penalties and min_p from the item's sampling, and a grammar from the item's
+`grammar` spec; the tokens the penalties and the grammar read come from the context updates'
+token ids (services/drafter/request_tokens.py), so the drafts are the embedded engine's.
 """
 
 from __future__ import annotations
@@ -28,12 +33,17 @@ from dspark.serving import messages, tensor_codec
 from dspark.serving.grpc_errors import HANDLED, abort_with
 from dspark.serving.idle_expiry import IdleExpiry
 from dspark.serving.protos import pb, rpc
+from dspark.structured_output import GrammarCompiler
+from services.drafter.request_tokens import RequestTokens
 
 
 class DrafterServicer(rpc.drafter.DrafterServicer):
     def __init__(self, drafter: Drafter, vocab_size: int, target_layer_ids: list[int], name: str,
                  tracer, idle_expiry_seconds: float = 0.0,
-                 rule: VerificationRule = VerificationRule.TOKEN) -> None:
+                 rule: VerificationRule = VerificationRule.TOKEN,
+                 grammars: GrammarCompiler | None = None) -> None:
+        """`grammars`: compiles structured-output specs over the target's tokenizer (None: an
+        item with a grammar is refused)."""
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.target_layer_ids = target_layer_ids
@@ -43,10 +53,12 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
         self._lock = threading.Lock()
         self._generators: dict[str, CounterGenerator] = {}
         self._idle = IdleExpiry(idle_expiry_seconds)
+        self._tokens = RequestTokens(grammars)
 
     def _release(self, request_id: str) -> None:
         self.drafter.release(request_id)
         self._generators.pop(request_id, None)
+        self._tokens.release(request_id)
         self._idle.forget(request_id)
 
     def Info(self, request, context):
@@ -79,6 +91,7 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
                                  f"{fork.num_positions}: needs another child and a position > 0")
             self._release(fork.child_id)
             self.drafter.fork(fork.parent_id, fork.child_id, int(fork.num_positions))
+            self._tokens.fork(fork.parent_id, fork.child_id, int(fork.num_positions))
             self._idle.touch(fork.child_id)
         requests = []
         for item in round_msg.requests:
@@ -90,13 +103,23 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
                 self._generators[item.request_id] = request_generator(params, self.rule)
             if not (0 <= item.anchor_token < self.vocab_size) or item.anchor_position < 0:
                 raise ValueError(f"{item.request_id}: anchor token or position out of range")
-            if item.num_output < 0:
-                raise ValueError(f"{item.request_id}: num_output must be >= 0")
+            if not 0 <= item.num_output <= item.anchor_position + 1:
+                raise ValueError(f"{item.request_id}: num_output must be in "
+                                 f"0..{item.anchor_position + 1} (the anchor's position + 1)")
+            params = messages.sampling_from_pb(item.sampling)
+            grammar = messages.draft_grammar_from_pb(item)
+            tokens = state = None
+            if params.has_penalties or grammar is not None:
+                tokens = self._tokens.through_anchor(item.request_id, int(item.anchor_token),
+                                                     int(item.anchor_position))
+            if grammar is not None:
+                state = self._tokens.grammar_state(item.request_id, grammar,
+                                                   tokens[len(tokens) - item.num_output:])
             requests.append(DraftRequest(item.request_id, int(item.anchor_token),
-                                         int(item.anchor_position),
-                                         messages.sampling_from_pb(item.sampling),
+                                         int(item.anchor_position), params,
                                          self._generators[item.request_id],
-                                         int(item.num_output)))
+                                         int(item.num_output), state, grammar,
+                                         tokens if params.has_penalties else None))
         if not 0 <= round_msg.sparse_top_k <= self.vocab_size:
             raise ValueError(f"sparse_top_k must be in 0..{self.vocab_size}")
         top_k = round_msg.sparse_top_k or None
@@ -107,6 +130,7 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
     def _apply_context(self, update) -> None:
         if update.reset:
             self.drafter.release(update.request_id)
+            self._tokens.release(update.request_id)
         features = tensor_codec.decode(update.features)
         positions = tensor_codec.decode(update.positions)
         tokens = tensor_codec.decode(update.token_ids)
@@ -126,3 +150,5 @@ class DrafterServicer(rpc.drafter.DrafterServicer):
                              f"0..{self.vocab_size - 1}")
         self.drafter.append_context(update.request_id, features.float(), positions.long(),
                                     None if tokens is None else tokens.long())
+        self._tokens.record(update.request_id, positions.tolist(),
+                            None if tokens is None else tokens.tolist())

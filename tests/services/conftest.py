@@ -88,11 +88,12 @@ def stack(tiny_models, shared_verifier) -> Stack:
 
 
 @pytest.fixture(scope="session")
-def json_stack(tmp_path_factory, save_json_tokenizer, stack) -> Stack:
-    """A scheduler and verifier whose tiny target writes with a character tokenizer that can
-    spell JSON (`<|im_end|>` its end-of-sequence token), for structured output: the tiny
-    stack's words "t0".."t63" cannot begin a JSON value. The target's weights are the tiny
-    stack's (same seed), so its drafter serves this stack too."""
+def json_stack(tmp_path_factory, save_json_tokenizer) -> Stack:
+    """A scheduler, verifier and drafter whose tiny target writes with a character tokenizer
+    that can spell JSON (`<|im_end|>` its end-of-sequence token), for structured output: the
+    tiny stack's words "t0".."t63" cannot begin a JSON value. The weights are the tiny
+    stack's (same seed); the drafter is its own, since it compiles the requests' grammars over
+    this tokenizer to mask its drafts."""
     from loadtest.tiny_models import build_tiny_models
 
     from ..stack_fixtures import start_verifier
@@ -102,16 +103,18 @@ def json_stack(tmp_path_factory, save_json_tokenizer, stack) -> Stack:
         (models.target_dir / name).unlink(missing_ok=True)
     save_json_tokenizer(models.target_dir)
     verifier, verifier_address = start_verifier(models, "json_verifier")
-    procs = {"verifier": verifier}
+    drafter, drafter_address = start_drafter(models, "json_drafter")
+    procs = {"verifier": verifier, "drafter": drafter}
     prefix = f"dspark-test-{uuid.uuid4().hex[:8]}:"
     try:
         wait_grpc(verifier, verifier_address)
+        wait_grpc(drafter, drafter_address)
         scheduler, http_port, grpc_port = start_scheduler(
-            models, verifier_address, stack.drafter_address, name="json_scheduler",
+            models, verifier_address, drafter_address, name="json_scheduler",
             extra=("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--api-keys", API_KEY))
         procs["scheduler"] = scheduler
         wait_http(scheduler, http_port)
-        yield Stack(models, verifier_address, stack.drafter_address, http_port, grpc_port,
+        yield Stack(models, verifier_address, drafter_address, http_port, grpc_port,
                     procs, prefix)
     finally:
         for p in procs.values():

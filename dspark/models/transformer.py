@@ -57,7 +57,7 @@ from dspark.models.flex_paged_attention import FlexMask, build_flex_mask, flex_p
 from dspark.models.kv_cache import PagedKVCache
 from dspark.models.packed_linear import pack_weight, packed_linear
 from dspark.models.paged_attention import (LONG_QUERY_MIN_TOKENS, long_query_attention,
-                                           paged_attention, padded_attention)
+                                           paged_attention, padded_attention, rope_write_attention)
 from dspark.models.quantized_linear import BlockWeight, block_linear
 from dspark.models.triton_paged_attention import triton_paged_attention
 
@@ -315,6 +315,11 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
+    fused_step: bool = True
+    """Run RoPE, the K/V write and PAGED attention as one kernel call where that path applies
+    (float32, no q/k norms, no long queries: `rope_write_attention`, the same bits); False: the
+    separate steps (tests and benchmarks compare the two)."""
+
     def __init__(self, config: ModelConfig, transposed: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -332,6 +337,14 @@ class Attention(nn.Module):
                 impl: AttentionImpl, cache: PagedKVCache, layer: int) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        if (self.fused_step and impl is AttentionImpl.PAGED and self.q_norm is None and not batch.long_queries
+                and qkv.dtype == torch.float32 and cache.k.dtype == torch.float32 and qkv.is_contiguous()):
+            # decode and verification on a CPU: RoPE, the K/V write and attention in one kernel
+            # call, the same bits as the steps below (tests/models/test_paged_attention.py)
+            out = rope_write_attention(qkv, cos, sin, cache.k[layer], cache.v[layer], batch.slot_mapping,
+                                       batch.block_tables, batch.query_start, batch.context_lens_t,
+                                       self.num_heads, self.scale)  # [num_tokens, num_heads, head_dim]
+            return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
         qkv = qkv.view(num_tokens, -1, self.head_dim)  # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]
         cos, sin = cos[:, None, :], sin[:, None, :]  # [num_tokens, 1, head_dim]
         v = qkv[:, self.num_heads + self.num_kv_heads:]

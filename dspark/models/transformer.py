@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models import fused_norm
 from dspark.models.config import ModelConfig
 from dspark.models.flex_paged_attention import FlexMask, build_flex_mask, flex_paged_attention
 from dspark.models.kv_cache import PagedKVCache
@@ -288,8 +289,25 @@ class RMSNorm(nn.Module):
         # (weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)); torch's fused rms_norm does the
         # normalising in one op instead of five (tests/models/test_transformer_norm.py).
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if self._kernel_applies(x):  # the same bits in one call (dspark.models.fused_norm)
+                return fused_norm.rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, self(h)) with h = x + residual: a decoder layer's residual add and the norm after
+        it, one kernel call where `fused_norm` applies (float32 on a CPU, no autograd)."""
+        if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and self._kernel_applies(x)
+                and residual.dtype == torch.float32 and residual.is_contiguous() and residual.shape == x.shape):
+            h, normed = fused_norm.add_rms_norm(x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1]),
+                                                self.weight, self.eps)
+            return h.view(x.shape), normed.view(x.shape)
+        h = x + residual
+        return h, self(h)
+
+    def _kernel_applies(self, x: torch.Tensor) -> bool:
+        return (x.is_cpu and x.is_contiguous() and x.shape[-1] >= fused_norm.MIN_FEATURES
+                and not torch.is_grad_enabled() and fused_norm.lanes() is not None)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -457,8 +475,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: FlatBatch,
                 impl: AttentionImpl, cache: PagedKVCache, layer: int) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, impl, cache, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attended = self.self_attn(self.input_layernorm(h), cos, sin, batch, impl, cache, layer)
+        h, x = self.post_attention_layernorm.add_forward(h, attended)  # h + attended, its norm
+        return h + self.mlp(x)
 
 
 class Transformer(nn.Module):

@@ -133,10 +133,11 @@ def rope_write_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     output: q heads, k heads, v heads); cos, sin [num_tokens, head_dim]; slot_mapping
     [num_tokens] int64; the rest as `paged_attention`. Returns [num_tokens, num_heads, head_dim].
     A decode step calls it once per layer, so the Python here is a few operations."""
-    tensors = (qkv, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start, context_lens)
-    if not all(t.is_cpu for t in tensors):
-        _off_cpu(("qkv", "cos", "sin", "k_cache", "v_cache", "slot_mapping", "block_tables",
-                  "query_start", "context_lens"), tensors)
+    if not (qkv.is_cpu and cos.is_cpu and sin.is_cpu and k_cache.is_cpu and v_cache.is_cpu and slot_mapping.is_cpu
+            and block_tables.is_cpu and query_start.is_cpu and context_lens.is_cpu):
+        _off_cpu(("qkv", "cos", "sin", "k_cache", "v_cache", "slot_mapping", "block_tables", "query_start",
+                  "context_lens"), (qkv, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start,
+                                    context_lens))
     ext = _cpu_extension()
     if ext is None:
         raise RuntimeError("the paged attention CPU kernel is not available on this machine")

@@ -13,6 +13,10 @@ pass so the context stays put):
   attention kernel, norms, RoPE / residual / SiLU arithmetic, K/V writes and the rest (views,
   copies, metadata), with the operator count per pass.
 
+With `--paired N`, also N passes of each shape on the fused kernels (`rope_write_attention`,
+`fused_norm`) and on the separate steps they replace (`Attention.fused_step` off, torch's
+rms_norm), in turns, with the median per-pair ratio of CPU times and whether the logits bits agree.
+
 The profiler adds its own cost to every operator, so its groups say where the operators' time
 goes, not the time a pass takes; the CPU-time rows are the numbers to compare. The fused kernels
 (`rope_write_attention`, `fused_norm`) carry no profiler label but the attention's, so a norm's time
@@ -39,7 +43,7 @@ from target_decode import chat_prompts  # noqa: E402
 
 from dspark.cpu_info import cpu_description, cpu_line  # noqa: E402
 from dspark.fetch import ensure_gguf  # noqa: E402
-from dspark.models import quantized_linear  # noqa: E402
+from dspark.models import fused_norm, quantized_linear  # noqa: E402
 from dspark.models import transformer as transformer_module  # noqa: E402
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner  # noqa: E402
 from dspark.paths import EVAL_PROMPTS_DIR  # noqa: E402
@@ -70,6 +74,33 @@ def run_pass(runner: TargetRunner, rid, token: int, rows: int) -> int:
     return int(out.logits[-1].argmax())
 
 
+def paired(runner: TargetRunner, rid, token: int, rows: int, passes: int) -> dict:
+    """`passes` pairs of one pass on the fused kernels and one on the separate steps (the same
+    tokens, K/V dropped after each): CPU ms medians, the median per-pair ratio, same bits."""
+    lanes = fused_norm.lanes
+    times = {True: [], False: []}
+    same = True
+    try:
+        for _ in range(passes):
+            logits = {}
+            for fused in (True, False):
+                transformer_module.Attention.fused_step = fused
+                fused_norm.lanes = lanes if fused else (lambda: None)
+                t0 = time.thread_time()
+                out = runner.forward([ForwardItem(rid, [token] * rows, logits_from=0)])
+                times[fused].append(time.thread_time() - t0)
+                logits[fused] = out.logits
+                runner.truncate(rid, runner.length(rid) - rows)
+            same &= torch.equal(logits[True], logits[False])
+    finally:
+        transformer_module.Attention.fused_step = True
+        fused_norm.lanes = lanes
+    return {"fused_cpu_ms": round(1e3 * statistics.median(times[True]), 2),
+            "separate_cpu_ms": round(1e3 * statistics.median(times[False]), 2),
+            "separate_over_fused": round(statistics.median(s / f for f, s in zip(times[True], times[False])), 3),
+            "same_bits": same}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
@@ -79,6 +110,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,8", help="new tokens per pass, comma-separated")
     parser.add_argument("--top-ops", type=int, default=0, help="also print the profiler's top operators")
+    parser.add_argument("--paired", type=int, default=0,
+                        help="passes of fused kernels against the separate steps, in turns (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -162,12 +195,18 @@ def main() -> int:
                 print(f"| {k} | {v:.2f} | {counts[k]:.0f} |")
             if args.top_ops:
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top_ops))
+        if args.paired:
+            report["paired"] = {rows: paired(runner, rid, token, rows, args.paired)
+                                for rows in (int(r) for r in args.rows.split(","))}
+            for rows, r in report["paired"].items():
+                print(f"{rows} row(s): fused {r['fused_cpu_ms']} ms, separate {r['separate_cpu_ms']} ms, "
+                      f"separate / fused paired {r['separate_over_fused']}, same bits {r['same_bits']}")
     cpu = cpu_description()
     print(f"\nCPU: {cpu_line(cpu)}; torch threads {torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.1f}")
-    if len(report) > 1 and 1 in report:
+    if 1 in report:
         for rows, r in report.items():
-            if rows != 1:
+            if rows not in (1, "paired"):
                 print(f"{rows}-row pass / 1-row pass: "
                       f"{r['cpu_ms']['whole pass'] / report[1]['cpu_ms']['whole pass']:.2f}")
     print(json.dumps({"bench": "q4_step_profile", "threads": args.threads, **cpu,

@@ -59,7 +59,7 @@ def _matches_torch(ext, num_lanes: int) -> bool:
     """Whether the kernel with `num_lanes` gives F.rms_norm's bits on rows of several widths
     (multiples of 4, 8 and 16 vectors and ragged tails) and magnitudes."""
     g = torch.Generator().manual_seed(0)
-    for n in (16, 24, 64, 100, 128, 576, 960, 1536, 2048, 4100):
+    for n in (16, 24, 32, 64, 100, 128, 576, 960, 1536, 2048, 4100):
         for rows in (1, 3, 8):
             x = torch.randn(rows, n, generator=g) * torch.logspace(-3, 3, rows)[:, None]
             w = torch.rand(n, generator=g) + 0.5

@@ -56,6 +56,8 @@ EXEMPT = {
                     "tests/models/test_block_linear.py tests the kernel",
     "q4_decode_interleaved.py": "decode steps of the real model's GGUF blocks; "
                                 "tests/models/test_runner_q4_smollm2.py tests q4 decoding",
+    "q4_step_profile.py": "profiles passes of the real model's GGUF blocks (weights=q4); "
+                          "tests/models/test_runner_q4_smollm2.py tests q4 decoding",
 }
 
 

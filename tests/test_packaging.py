@@ -29,6 +29,7 @@ SERVE = {"grpcio", "grpcio-health-checking", "protobuf", "fastapi", "uvicorn", "
          "prometheus-client", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc",
          "xgrammar"}
 SHIPPED_FILES = ["dspark/models/csrc/paged_attention.cpp",
+                 "dspark/models/csrc/rms_norm.cpp",
                  "checkpoints/dspark-markov/config.json",
                  "checkpoints/dspark-markov/model.safetensors",
                  "checkpoints/dspark-markov/calibration.json",

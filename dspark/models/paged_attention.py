@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_attention", "long_query_attention", "padded_attention", "reference_attention",
+__all__ = ["paged_attention", "rope_write_attention", "long_query_attention", "padded_attention", "reference_attention",
            "cpu_kernel_available", "build_cpu_kernel", "LONG_QUERY_MIN_TOKENS"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
@@ -107,19 +107,55 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [num_requests] int64 (all on the CPU). With `long_min_q_len` > 0, the rows of a request with at
     least that many new tokens are left unwritten for the caller (`long_query_attention`).
     """
-    off_cpu = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                                    ("block_tables", block_tables), ("query_start", query_start),
-                                    ("context_lens", context_lens)) if t.device.type != "cpu"]
-    if off_cpu:  # the kernel reads its tensors through host pointers
-        raise ValueError(f"paged_attention is the CPU kernel: {', '.join(off_cpu)} on "
-                         f"{q.device if 'q' in off_cpu else 'another device'}; on a GPU the "
-                         f"runner uses padded_attention (AttentionImpl.PADDED)")
+    tensors = (q, k_cache, v_cache, block_tables, query_start, context_lens)
+    if not all(t.is_cpu for t in tensors):  # the kernel reads its tensors through host pointers
+        _off_cpu(("q", "k_cache", "v_cache", "block_tables", "query_start", "context_lens"), tensors)
     ext = _cpu_extension()
     if ext is None:
         raise RuntimeError("the paged attention CPU kernel is not available on this machine")
-    with torch.profiler.record_function(PROFILER_LABEL):  # visible to the torch profiler
-        return ext.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, query_start,
-                                   context_lens, float(scale), int(long_min_q_len))
+    if torch.autograd._profiler_enabled():  # the label costs ~8 us a call: only while profiling
+        with torch.profiler.record_function(PROFILER_LABEL):  # visible to the torch profiler
+            return ext.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, query_start,
+                                       context_lens, float(scale), int(long_min_q_len))
+    return ext.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, query_start,
+                               context_lens, float(scale), int(long_min_q_len))
+
+
+def rope_write_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                         query_start: torch.Tensor, context_lens: torch.Tensor, num_heads: int,
+                         scale: float, long_min_q_len: int = 0) -> torch.Tensor:
+    """A layer's steps between its q|k|v and o products in one kernel call (float32, CPU): RoPE of
+    q and k (`transformer.apply_rope`'s roundings), the K/V write at `slot_mapping`
+    (`PagedKVCache.write`), then `paged_attention`; the same bits as those three calls.
+
+    qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] float32 (the fused projection's
+    output: q heads, k heads, v heads); cos, sin [num_tokens, head_dim]; slot_mapping
+    [num_tokens] int64; the rest as `paged_attention`. Returns [num_tokens, num_heads, head_dim].
+    A decode step calls it once per layer, so the Python here is a few operations."""
+    if not (qkv.is_cpu and cos.is_cpu and sin.is_cpu and k_cache.is_cpu and v_cache.is_cpu and slot_mapping.is_cpu
+            and block_tables.is_cpu and query_start.is_cpu and context_lens.is_cpu):
+        _off_cpu(("qkv", "cos", "sin", "k_cache", "v_cache", "slot_mapping", "block_tables", "query_start",
+                  "context_lens"), (qkv, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start,
+                                    context_lens))
+    ext = _cpu_extension()
+    if ext is None:
+        raise RuntimeError("the paged attention CPU kernel is not available on this machine")
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(PROFILER_LABEL):
+            return ext.rope_write_attention(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                                            query_start, context_lens, num_heads, float(scale),
+                                            int(long_min_q_len))
+    return ext.rope_write_attention(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                                    query_start, context_lens, num_heads, float(scale), int(long_min_q_len))
+
+
+def _off_cpu(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+    """Refuse tensors on another device by name (the kernel reads host pointers)."""
+    off = [name for name, t in zip(names, tensors) if not t.is_cpu]
+    raise ValueError(f"paged_attention is the CPU kernel: {', '.join(off)} on "
+                     f"{tensors[0].device if off[0] == names[0] else 'another device'}; on a GPU the "
+                     f"runner uses padded_attention (AttentionImpl.PADDED)")
 
 
 def long_query_attention(out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -52,12 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models import fused_norm
 from dspark.models.config import ModelConfig
 from dspark.models.flex_paged_attention import FlexMask, build_flex_mask, flex_paged_attention
 from dspark.models.kv_cache import PagedKVCache
 from dspark.models.packed_linear import pack_weight, packed_linear
 from dspark.models.paged_attention import (LONG_QUERY_MIN_TOKENS, long_query_attention,
-                                           paged_attention, padded_attention)
+                                           paged_attention, padded_attention, rope_write_attention)
 from dspark.models.quantized_linear import BlockWeight, block_linear
 from dspark.models.triton_paged_attention import triton_paged_attention
 
@@ -288,8 +289,25 @@ class RMSNorm(nn.Module):
         # (weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)); torch's fused rms_norm does the
         # normalising in one op instead of five (tests/models/test_transformer_norm.py).
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if self._kernel_applies(x):  # the same bits in one call (dspark.models.fused_norm)
+                return fused_norm.rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, self(h)) with h = x + residual: a decoder layer's residual add and the norm after
+        it, one kernel call where `fused_norm` applies (float32 on a CPU, no autograd)."""
+        if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and self._kernel_applies(x)
+                and residual.dtype == torch.float32 and residual.is_contiguous() and residual.shape == x.shape):
+            h, normed = fused_norm.add_rms_norm(x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1]),
+                                                self.weight, self.eps)
+            return h.view(x.shape), normed.view(x.shape)
+        h = x + residual
+        return h, self(h)
+
+    def _kernel_applies(self, x: torch.Tensor) -> bool:
+        return (x.is_cpu and x.is_contiguous() and x.shape[-1] >= fused_norm.MIN_FEATURES
+                and not torch.is_grad_enabled() and fused_norm.lanes() is not None)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -315,6 +333,11 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
+    fused_step: bool = True
+    """Run RoPE, the K/V write and PAGED attention as one kernel call where that path applies
+    (float32, no q/k norms, no long queries: `rope_write_attention`, the same bits); False: the
+    separate steps (tests and benchmarks compare the two)."""
+
     def __init__(self, config: ModelConfig, transposed: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -332,6 +355,14 @@ class Attention(nn.Module):
                 impl: AttentionImpl, cache: PagedKVCache, layer: int) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        if (self.fused_step and impl is AttentionImpl.PAGED and self.q_norm is None and not batch.long_queries
+                and qkv.dtype == torch.float32 and cache.k.dtype == torch.float32 and qkv.is_contiguous()):
+            # decode and verification on a CPU: RoPE, the K/V write and attention in one kernel
+            # call, the same bits as the steps below (tests/models/test_paged_attention.py)
+            out = rope_write_attention(qkv, cos, sin, cache.k[layer], cache.v[layer], batch.slot_mapping,
+                                       batch.block_tables, batch.query_start, batch.context_lens_t,
+                                       self.num_heads, self.scale)  # [num_tokens, num_heads, head_dim]
+            return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
         qkv = qkv.view(num_tokens, -1, self.head_dim)  # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]
         cos, sin = cos[:, None, :], sin[:, None, :]  # [num_tokens, 1, head_dim]
         v = qkv[:, self.num_heads + self.num_kv_heads:]
@@ -444,8 +475,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: FlatBatch,
                 impl: AttentionImpl, cache: PagedKVCache, layer: int) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, impl, cache, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attended = self.self_attn(self.input_layernorm(h), cos, sin, batch, impl, cache, layer)
+        h, x = self.post_attention_layernorm.add_forward(h, attended)  # h + attended, its norm
+        return h + self.mlp(x)
 
 
 class Transformer(nn.Module):

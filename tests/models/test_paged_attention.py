@@ -192,3 +192,61 @@ def test_cpu_kernel_refuses_tensors_off_the_cpu():
     device.place(k, v)
     with device, pytest.raises(ValueError, match="k_cache, v_cache on another device"):
         paged_attention(q, k, v, block_tables, query_start, torch.tensor([6]), 1.0)
+
+
+def unfused_rope_write_attention(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start,
+                                 context_lens, num_heads, scale):
+    """The three steps `rope_write_attention` fuses, as the transformer does them apart."""
+    from dspark.models.transformer import apply_rope
+
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    heads = qkv.view(qkv.shape[0], -1, head_dim)  # [T, H + 2 KVH, D]
+    q, k = apply_rope(heads[:, :num_heads + num_kv_heads], cos[:, None], sin[:, None]).split(
+        [num_heads, num_kv_heads], dim=1)
+    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k)
+    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, heads[:, num_heads + num_kv_heads:])
+    return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_rope_write_attention_is_bit_identical_to_its_three_steps(case, heads, head_dim):
+    """RoPE + the K/V write + attention in one call: the same output and cache bits as
+    apply_rope, PagedKVCache.write's index_copy_ and paged_attention called apart."""
+    from dspark.models.paged_attention import rope_write_attention
+
+    query_lens, context_lens = case
+    num_heads, num_kv_heads = heads
+    _, k, v, _, block_tables, query_start = make_case(query_lens, context_lens, num_heads, num_kv_heads,
+                                                      torch.float32, head_dim=head_dim)
+    g = torch.Generator().manual_seed(1)
+    num_tokens = sum(query_lens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 3
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
+    angles = positions[:, None].float() * torch.rand(head_dim // 2, generator=g)  # [T, D / 2]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()  # [T, D]
+    slot_mapping = torch.cat([
+        torch.tensor([block_tables[r, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c - q, c)])
+        for r, (q, c) in enumerate(zip(query_lens, context_lens))])
+    context_lens_t = torch.tensor(context_lens)
+    k2, v2 = k.clone(), v.clone()
+    expected = unfused_rope_write_attention(qkv, cos, sin, k, v, slot_mapping, block_tables, query_start,
+                                            context_lens_t, num_heads, head_dim ** -0.5)
+    got = rope_write_attention(qkv, cos, sin, k2, v2, slot_mapping, block_tables, query_start,
+                               context_lens_t, num_heads, head_dim ** -0.5)
+    assert got.shape == expected.shape
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
+def test_rope_write_attention_refuses_slots_outside_the_cache():
+    from dspark.models.paged_attention import rope_write_attention
+
+    _, k, v, _, block_tables, query_start = make_case([1], [3], 4, 2, torch.float32)
+    qkv, cos, sin = torch.randn(1, 8 * 8), torch.randn(1, 8), torch.randn(1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        rope_write_attention(qkv, cos, sin, k, v, torch.tensor([k.shape[0] * BLOCK_SIZE]), block_tables,
+                             query_start, torch.tensor([3]), 4, 1.0)

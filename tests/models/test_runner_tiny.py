@@ -337,3 +337,46 @@ def test_dspark_attention_names_the_default_implementation(tiny, monkeypatch):
     monkeypatch.setenv("DSPARK_ATTENTION", "flash")
     with pytest.raises(ValueError, match="DSPARK_ATTENTION='flash': expected one of paged"):
         make_runner(folder)
+
+
+
+def test_fused_attention_step_gives_the_bits_of_the_separate_steps(tiny, monkeypatch):
+    """PAGED attention on float32 runs RoPE + K/V write + attention as one kernel call
+    (`rope_write_attention`); the same runner on the separate steps (`Attention.fused_step`
+    off) gives the same logits bits, for prefill (its long queries go the separate way),
+    decode steps and a verification block beside a decode step."""
+    from dspark.models import paged_attention as pa
+    from dspark.models import transformer
+
+    if not pa.cpu_kernel_available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    model, folder = tiny
+    calls = []
+    real = transformer.rope_write_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    def run() -> list[torch.Tensor]:
+        runner = make_runner(folder, attention=AttentionImpl.PAGED)
+        outs = []
+        for r, n in (("a", 37), ("b", 9)):
+            runner.add_request(r)
+            outs.append(runner.forward([ForwardItem(r, random_tokens(n, seed=n), logits_from=0)]).logits)
+        for step in range(5):
+            outs.append(runner.forward([ForwardItem("a", random_tokens(1, seed=200 + step)),
+                                        ForwardItem("b", random_tokens(1, seed=300 + step))]).logits)
+        outs.append(runner.forward([ForwardItem("a", random_tokens(8, seed=7), logits_from=0),
+                                    ForwardItem("b", random_tokens(1, seed=8))]).logits)
+        return outs
+
+    monkeypatch.setattr(transformer, "rope_write_attention", counted)
+    fused = run()
+    assert bool(calls) == (not model.config.model_type == "qwen3")  # q/k norms keep the separate steps
+    monkeypatch.setattr(transformer.Attention, "fused_step", False)
+    calls.clear()
+    separate = run()
+    assert not calls
+    for a, b in zip(fused, separate, strict=True):
+        assert torch.equal(a, b)

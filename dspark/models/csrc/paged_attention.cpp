@@ -555,6 +555,78 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
+namespace {
+
+// Half-rotation RoPE of the q and k heads of a fused q|k|v projection, with the exact roundings
+// of transformers' `x * cos + rotate_half(x) * sin` in float32 (each product rounded, then the sum:
+// no fused multiply-add, hence fp-contract off), q into `q_out`, k and v into their cache slots.
+//   qkv [T, (H + 2 KVH) * D], cos / sin [T, D], q_out [T, H, D]; slot t of a cache layer is
+//   its rows t * KVH * D .. of [num_blocks * block_size, KVH, D].
+__attribute__((optimize("fp-contract=off")))
+void rope_write_f32(const float* qkv, const float* cos, const float* sin, const int64_t* slots,
+                    int64_t T, int64_t H, int64_t KVH, int64_t D, float* q_out, float* k_cache,
+                    float* v_cache) {
+  const int64_t half = D / 2, row_len = (H + 2 * KVH) * D, slot_len = KVH * D;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = qkv + t * row_len;
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    for (int64_t head = 0; head < H + KVH; ++head) {
+      const float* x = row + head * D;
+      float* dst = head < H ? q_out + (t * H + head) * D : k_cache + slots[t] * slot_len + (head - H) * D;
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = x[d] * c[d];
+        const float b = -x[d + half] * s[d];
+        dst[d] = a + b;
+      }
+      for (int64_t d = half; d < D; ++d) {
+        const float a = x[d] * c[d];
+        const float b = x[d - half] * s[d];
+        dst[d] = a + b;
+      }
+    }
+    std::memcpy(v_cache + slots[t] * slot_len, row + (H + KVH) * D, sizeof(float) * slot_len);
+  }
+}
+
+}  // namespace
+
+// One layer's work between its q|k|v product and its o product, for a float32 cache: RoPE of q
+// and k, the K/V write at `slot_mapping`, then `paged_attention`. The same numbers as those
+// three steps done apart (apply_rope, PagedKVCache.write, paged_attention), in one call.
+//   qkv [T, (H + 2 KVH) * D] float32; cos, sin [T, D] float32; slot_mapping [T] int64;
+//   the rest as paged_attention. Returns out [T, H, D].
+torch::Tensor rope_write_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
+                                   const torch::Tensor& sin, const torch::Tensor& k_cache,
+                                   const torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                                   const torch::Tensor& block_tables, const torch::Tensor& query_start,
+                                   const torch::Tensor& context_lens, int64_t num_heads, double scale,
+                                   int64_t long_min_q_len) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches [NB,BS,KVH,D] of one shape");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  const int64_t num_kv_heads = k_cache.size(2), D = k_cache.size(3), T = qkv.size(0);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+              v_cache.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
+              sin.scalar_type() == torch::kFloat32, "rope_write_attention: float32 tensors");
+  TORCH_CHECK(D % 2 == 0 && num_heads > 0 && num_heads % num_kv_heads == 0, "head shapes");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
+              "qkv [T, (H + 2 KVH) * D] contiguous");
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.size(0) == T && sin.size(0) == T && cos.size(1) == D &&
+              sin.size(1) == D && cos.is_contiguous() && sin.is_contiguous(), "cos, sin [T, D] contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.dim() == 1 &&
+              slot_mapping.size(0) == T && slot_mapping.is_contiguous(), "slot_mapping [T] int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache");
+  auto q = torch::empty({T, num_heads, D}, qkv.options());
+  rope_write_f32(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots, T, num_heads,
+                 num_kv_heads, D, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, long_min_q_len);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention of a flattened batch from a paged KV cache (CPU)");
+  m.def("rope_write_attention", &rope_write_attention,
+        "RoPE of q and k from a fused q|k|v row, the K/V cache write, then paged_attention (float32, CPU)");
 }

@@ -173,7 +173,8 @@ const char* isa_name() {
 // blocks also asks for the cache lines of the outputs PREFETCH_ROWS further on, in the order they
 // will be read, so the memory reads of the next tiles overlap this tile's arithmetic (the hardware
 // prefetcher alone leaves the one-row kernel waiting on memory: a step's 121 one-row products took
-// 1.35-1.5x longer without it on a loaded AVX2 Zen 3). Prefetches change no arithmetic and never fault.
+// 1.4-1.55x longer without it on a loaded AVX2 Zen 3). Prefetches change no arithmetic and never
+// fault.
 constexpr int64_t PREFETCH_ROWS = 16;
 
 // The cache lines of `span` bytes from p, the ones before `end` (the weights' end) only.

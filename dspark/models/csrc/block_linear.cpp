@@ -318,10 +318,14 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
 // of the 16 ymm, one half of the lanes at a time); remainder rows run as tiles of 2, then 1. N1
 // outputs widened together for one row (AVX2: 2, whose 4 accumulators and widening temporaries fit the 16 ymm; at 4 GCC spills
 // the accumulators to the stack every block, and a layer's one-row product took ~5% longer).
+// Up to DIRECT_ROWS rows skip the strip: the one-row tile widens N1 outputs' blocks in registers
+// and runs them over every row (AVX2: 2 and 3 rows took 1.28x and 1.65x longer through the strip,
+// whose stores and reloads cost more than 2-3 rows' FMAs save; AVX-512: not measured, and 8
+// outputs x 3 rows would not fit the registers, so only one row goes this way).
 #if defined(__AVX512F__)
-constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8, DIRECT_ROWS = 1;
 #else
-constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS = 3;
 #endif
 
 // y[rows, out] (+ bias) for one block format: the thread's output tiles, each row's outputs in
@@ -338,6 +342,23 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
                     tile<F, N1, 1>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
                 } else {
                     for (int64_t n = n0; n < out; ++n) tile<F, 1, 1>(xp, in, wp, row_bytes, n, 0, bp, yp, out);
+                }
+            }
+        });
+        return;
+    }
+    if (rows <= DIRECT_ROWS) {  // 2 or 3 rows: N1 outputs' blocks widened in registers for all rows
+        const int64_t tiles = (out + N1 - 1) / N1;
+        at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+            for (int64_t t = t0; t < t1; ++t) {
+                const int64_t n0 = t * N1;
+                if (n0 + N1 > out) {
+                    for (int64_t n = n0; n < out; ++n)
+                        for (int64_t r = 0; r < rows; ++r) tile<F, 1, 1>(xp, in, wp, row_bytes, n, r, bp, yp, out);
+                } else if (rows == 2) {
+                    tile<F, N1, 2>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
+                } else {
+                    tile<F, N1, 3>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
                 }
             }
         });

@@ -54,6 +54,8 @@ EXEMPT = {
                              "model's GGUF blocks; tests/models/test_block_linear.py tests the kernel",
     "q4_linear.py": "times the block kernel on the real model's GGUF layer shapes; "
                     "tests/models/test_block_linear.py tests the kernel",
+    "q4_step_rows.py": "times a step's products on the real model's GGUF blocks and their packed float32 "
+                       "weights; tests/models/test_block_linear.py tests the kernel",
     "q4_decode_interleaved.py": "decode steps of the real model's GGUF blocks; "
                                 "tests/models/test_runner_q4_smollm2.py tests q4 decoding",
     "q4_step_profile.py": "profiles passes of the real model's GGUF blocks (weights=q4); "

@@ -115,7 +115,7 @@ inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
-inline void pin(Vec&) {}  // 16 ymm leave no room to hold a tile's weights and inputs
+inline void pin(Vec&) {}  // 16 ymm hold no tile of whole Vecs: the AVX2 strip tile pins halves
 inline float finish(Vec s) {
     const __m256 s8 = _mm256_add_ps(s.a, s.b);
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -169,16 +169,34 @@ const char* isa_name() {
 #endif
 }
 
+// Weights are read PREFETCH_ROWS outputs ahead of the ones being widened: each loop over a tile's
+// blocks also asks for the cache lines of the outputs PREFETCH_ROWS further on, in the order they
+// will be read, so the memory reads of the next tiles overlap this tile's arithmetic (the hardware
+// prefetcher alone leaves the one-row kernel waiting on memory: a step's 121 one-row products took
+// 1.4-1.55x longer without it on a loaded AVX2 Zen 3). Prefetches change no arithmetic and never
+// fault.
+constexpr int64_t PREFETCH_ROWS = 16;
+
+// The cache lines of `span` bytes from p, the ones before `end` (the weights' end) only.
+inline void prefetch_span(const uint8_t* p, int64_t span, const uint8_t* end) {
+    for (int64_t k = 0; k < span; k += 64)
+        if (p + k < end) __builtin_prefetch(p + k);
+}
+
 // NT outputs (n0 ..) by RT rows (r0 ..): each weight block widened once for the RT rows.
 template <Format F, int NT, int RT>
 inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
                  int64_t n0, int64_t r0, const float* bias, float* y, int64_t out) {
     constexpr int64_t bb = block_bytes(F);
     const int64_t nb = in / QK;
+    // the NT outputs' rows are contiguous: block b of the tile PREFETCH_ROWS on is NT * bb bytes in
+    const uint8_t* ahead = w + (n0 + PREFETCH_ROWS) * row_bytes;
+    const uint8_t* end = w + out * row_bytes;
     Vec acc[RT][NT];
     for (int r = 0; r < RT; ++r)
         for (int n = 0; n < NT; ++n) acc[r][n] = zero();
     for (int64_t b = 0; b < nb; ++b) {
+        prefetch_span(ahead + b * NT * bb, NT * bb, end);
         Vec wlo[NT], whi[NT];
         for (int n = 0; n < NT; ++n) widen(F, w + (n0 + n) * row_bytes + b * bb, wlo[n], whi[n]);
         for (int r = 0; r < RT; ++r) {
@@ -201,11 +219,14 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
 // there, so a 4 x 4 tile makes 16 loads for its 32 FMAs (GCC otherwise re-loads an operand for
 // every FMA: 64 loads, and the tile runs at the load ports' rate, not the FMA units').
 template <Format F>
-inline void widen_strip(const uint8_t* w, int64_t row_bytes, int64_t n0, int nt, int64_t in, float* strip) {
+inline void widen_strip(const uint8_t* w, int64_t row_bytes, int64_t out, int64_t n0, int nt, int64_t in, float* strip) {
     constexpr int64_t bb = block_bytes(F);
     const int64_t nb = in / QK;
+    const uint8_t* ahead = w + (n0 + PREFETCH_ROWS) * row_bytes;
+    const uint8_t* end = w + out * row_bytes;
     for (int n = 0; n < nt; ++n)
         for (int64_t b = 0; b < nb; ++b) {
+            prefetch_span(ahead + (n * nb + b) * bb, bb, end);
             Vec lo, hi;
             widen(F, w + (n0 + n) * row_bytes + b * bb, lo, hi);
             store(strip + n * in + b * QK, lo);
@@ -213,6 +234,51 @@ inline void widen_strip(const uint8_t* w, int64_t row_bytes, int64_t n0, int nt,
         }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: a Vec is two ymm (lanes 0..7 and 8..15) and a 16-ymm file holds no tile of whole Vecs, so
+// the tile runs the two halves one after the other: lanes 0..7 of every (row, output) pair over
+// all blocks, then lanes 8..15. The halves never meet before `finish`, so each lane gets the same
+// multiply-adds in the same order as `tile` (same bits); per half a 4-row x 2-output tile is 8
+// accumulators, 4 weights and 2 inputs held in registers (`pin_half`): 12 loads per 16 FMAs.
+inline void pin_half(__m256& v) { asm volatile("" : "+x"(v)); }
+
+template <int NT, int RT>
+inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n0, int n_off, int64_t r0,
+                       const float* bias, float* y, int64_t out) {
+    const int64_t nb = in / QK;
+    Vec acc[RT][NT];
+    for (int g = 0; g < 2; ++g) {  // lanes 8g .. 8g + 7 of each 16
+        __m256 a[RT][NT];
+        for (int r = 0; r < RT; ++r)
+            for (int n = 0; n < NT; ++n) a[r][n] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256 wlo[NT], whi[NT];
+            for (int n = 0; n < NT; ++n) {
+                const float* wn = strip + (n_off + n) * in + b * QK + 8 * g;
+                wlo[n] = _mm256_loadu_ps(wn);
+                whi[n] = _mm256_loadu_ps(wn + 16);
+                pin_half(wlo[n]);
+                pin_half(whi[n]);
+            }
+            for (int r = 0; r < RT; ++r) {
+                const float* xr = x + (r0 + r) * in + b * QK + 8 * g;
+                __m256 xlo = _mm256_loadu_ps(xr), xhi = _mm256_loadu_ps(xr + 16);
+                pin_half(xlo);
+                pin_half(xhi);
+                for (int n = 0; n < NT; ++n)
+                    a[r][n] = _mm256_fmadd_ps(xhi, whi[n], _mm256_fmadd_ps(xlo, wlo[n], a[r][n]));
+            }
+        }
+        for (int r = 0; r < RT; ++r)
+            for (int n = 0; n < NT; ++n) (g == 0 ? acc[r][n].a : acc[r][n].b) = a[r][n];
+    }
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) {
+            const float s = finish(acc[r][n]);
+            y[(r0 + r) * out + n0 + n_off + n] = bias ? s + bias[n0 + n_off + n] : s;
+        }
+}
+#else
 template <int NT, int RT>
 inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n0, int n_off, int64_t r0,
                        const float* bias, float* y, int64_t out) {
@@ -244,16 +310,22 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
             y[(r0 + r) * out + n0 + n_off + n] = bias ? s + bias[n0 + n_off + n] : s;
         }
 }
+#endif
 
 // Outputs per tile (the strip: OUT_TILE x in float32, 24 KB at in = 1536, inside a 32 KB L1),
 // and for several rows the register tile of STRIP_ROWS rows by STRIP_OUTS outputs (AVX-512: 16
-// accumulators + 8 weights + 2 inputs of the 32 zmm; AVX2: each Vec is two of the 16 ymm, too
-// few to pin a tile); remainder rows run as tiles of 2, then 1. N1 outputs widened together for
-// one row.
+// accumulators + 8 weights + 2 inputs of the 32 zmm; AVX2: 8 accumulators + 4 weights + 2 inputs
+// of the 16 ymm, one half of the lanes at a time); remainder rows run as tiles of 2, then 1. N1
+// outputs widened together for one row (AVX2: 2, whose 4 accumulators and widening temporaries fit the 16 ymm; at 4 GCC spills
+// the accumulators to the stack every block, and a layer's one-row product took ~5% longer).
+// Up to DIRECT_ROWS rows skip the strip: the one-row tile widens N1 outputs' blocks in registers
+// and runs them over every row (AVX2: 2 and 3 rows took 1.28x and 1.65x longer through the strip,
+// whose stores and reloads cost more than 2-3 rows' FMAs save; AVX-512: not measured, and 8
+// outputs x 3 rows would not fit the registers, so only one row goes this way).
 #if defined(__AVX512F__)
-constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8, DIRECT_ROWS = 1;
 #else
-constexpr int OUT_TILE = 4, STRIP_ROWS = 2, STRIP_OUTS = 2, N1 = 4;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS = 3;
 #endif
 
 // y[rows, out] (+ bias) for one block format: the thread's output tiles, each row's outputs in
@@ -275,6 +347,23 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
         });
         return;
     }
+    if (rows <= DIRECT_ROWS) {  // 2 or 3 rows: N1 outputs' blocks widened in registers for all rows
+        const int64_t tiles = (out + N1 - 1) / N1;
+        at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+            for (int64_t t = t0; t < t1; ++t) {
+                const int64_t n0 = t * N1;
+                if (n0 + N1 > out) {
+                    for (int64_t n = n0; n < out; ++n)
+                        for (int64_t r = 0; r < rows; ++r) tile<F, 1, 1>(xp, in, wp, row_bytes, n, r, bp, yp, out);
+                } else if (rows == 2) {
+                    tile<F, N1, 2>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
+                } else {
+                    tile<F, N1, 3>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
+                }
+            }
+        });
+        return;
+    }
     const int64_t tiles = (out + OUT_TILE - 1) / OUT_TILE;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
         std::vector<float> strip_buf(OUT_TILE * in);
@@ -288,7 +377,7 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
                         for (int64_t r = rc; r < rend; ++r) tile<F, 1, 1>(xp, in, wp, row_bytes, n, r, bp, yp, out);
                     continue;
                 }
-                widen_strip<F>(wp, row_bytes, n0, OUT_TILE, in, strip);
+                widen_strip<F>(wp, row_bytes, out, n0, OUT_TILE, in, strip);
                 int64_t r = rc;
                 for (; r + STRIP_ROWS <= rend; r += STRIP_ROWS)
                     for (int n = 0; n < OUT_TILE; n += STRIP_OUTS)

@@ -5,14 +5,15 @@ deploy/docker-compose.hostnet.yml: every container on the host network, on 127.0
    get 401.
 2. Greedy chat completions over REST (plain and streamed) and gRPC, compared token for token
    with the embedded engine (deploy/compose_reference.py, run in the same image on the same
-   prepared model), prompt token ids included.
+   prepared model), prompt token ids included. A seeded T = 1 request gives the same tokens
+   every time: over REST twice, streamed beside a long request, over gRPC.
 3. The drafter container is killed while a stream runs: the stream completes with the same
    output; the drafter is started again and the stack is healthy again.
 4. The scheduler container is restarted while one request is finished and another is streaming:
    `GET /v1/requests/{id}` (and gRPC GetRequest) return what was produced, and resume completes
    both to the reference output.
 5. `down` leaves no container of the project; `up -d` again reuses the prepared model (same
-   volume, model file untouched) and answers exactly.
+   volume, model file untouched) and answers exactly; the seeded request repeats its tokens.
 With --monitoring-service (the monitoring profile's services whose images are here), those are
 started too; Prometheus must scrape the scheduler and answer every PromQL expression of the
 Grafana dashboard (deploy/grafana/dspark.json), its request counter holding the exactness
@@ -66,6 +67,10 @@ LONG_CASES = [
                                               "boots, in many paragraphs."}],
      "max_tokens": 128},
 ]
+# A seeded T = 1 request: it must give the same tokens every time it is sent to the stack, alone,
+# beside another request, over REST and gRPC, and after `down` / `up` (docs/seeded_sampling.md).
+SEEDED_CASE = {"messages": [{"role": "user", "content": "Write a haiku about the sea."}],
+               "max_tokens": 32, "temperature": 1.0, "seed": 1234}
 READY_TIMEOUT_SECONDS = 600.0
 PROMETHEUS_PORT = 19090  # deploy/docker-compose.hostnet.yml
 PROMETHEUS_TIMEOUT_SECONDS = 60.0
@@ -211,7 +216,8 @@ class Client:
         request = pb.generation.GenerateRequest(
             model=MODEL, max_tokens=case["max_tokens"],
             messages=[pb.generation.ChatMessage(**m) for m in case["messages"]],
-            sampling=pb.common.SamplingParams(temperature=0.0))
+            sampling=pb.common.SamplingParams(temperature=case.get("temperature", 0.0),
+                                              seed=case.get("seed")))
         replies = list(stub.Generate(request, timeout=300,
                                      metadata=[("authorization", f"Bearer {self.api_key}")]))
         return replies[-1].request_id, [t for r in replies for t in r.token_ids]
@@ -330,6 +336,27 @@ def check_exact(client: Client, refs: list[dict], report: dict) -> None:
     report["compared_tokens"] = sum(len(r["output_ids"]) for r in refs)
     log(f"REST, REST stream and gRPC equal the embedded engine on {len(refs)} prompts "
         f"({report['compared_tokens']} tokens each way)")
+
+
+def check_seeded_repeats(client: Client, report: dict) -> list[int]:
+    """SEEDED_CASE sent twice alone over REST, streamed beside a long request, and over gRPC:
+    the same tokens every time. Returns them (compared again after `down` / `up`)."""
+    first = client.chat(SEEDED_CASE)["dspark"]["token_ids"]
+    expect(len(first) > 0, "the seeded request produced no tokens")
+    again = client.chat(SEEDED_CASE)["dspark"]["token_ids"]
+    expect(again == first, f"seeded request sent again: {again} != {first}")
+    beside = InBackground(lambda: client.chat(LONG_CASES[0]))
+    beside.start()
+    _, streamed, _ = client.stream_chat(SEEDED_CASE)
+    beside.result()
+    expect(streamed == first, f"seeded request streamed beside another: {streamed} != {first}")
+    _, over_grpc = client.grpc_generate(SEEDED_CASE)
+    expect(over_grpc == first, f"seeded request over gRPC: {over_grpc} != {first}")
+    report["seeded_repeats"] = 4
+    report["seeded_tokens"] = len(first)
+    log(f"a seeded T=1 request gave the same {len(first)} tokens 4 times (REST alone twice, "
+        "streamed beside a long request, gRPC)")
+    return first
 
 
 def check_drafter_killed_mid_stream(compose: Compose, client: Client, case: dict, ref: dict,
@@ -521,6 +548,7 @@ def main() -> int:
         short_refs, long_refs = refs[:len(SHORT_CASES)], refs[len(SHORT_CASES):]
         report["long_reference_tokens"] = [len(r["output_ids"]) for r in long_refs]
         check_exact(client, short_refs, report)
+        seeded = check_seeded_repeats(client, report)
         if "prometheus" in compose.monitoring:
             check_dashboard_queries(report)
         check_drafter_killed_mid_stream(compose, client, LONG_CASES[0], long_refs[0], report)
@@ -528,6 +556,10 @@ def main() -> int:
                                 long_refs[1], report)
         check_down_then_up_again(compose, client, args.image, data_volume, SHORT_CASES[1],
                                  short_refs[1], report)
+        after_restart = client.chat(SEEDED_CASE)["dspark"]["token_ids"]
+        expect(after_restart == seeded,
+               f"seeded request after down / up: {after_restart} != {seeded}")
+        log("the seeded request gives the same tokens after down / up")
         report["passed"] = True
     except (CheckFailed, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
         report["passed"] = False

@@ -139,8 +139,10 @@ def tiny_config(rs, models, cells: int, http_port: int, **overrides):
         "proxy_location": "HeadOnly", **overrides})
 
 
-def embedded_greedy(models, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """The embedded engine (same target, drafter, policy and cost table) under greedy."""
+def embedded_outputs(models, prompts: list[list[int]], max_tokens: int,
+                    sampling=None) -> list[list[int]]:
+    """The embedded engine (same target, drafter, policy and cost table), greedy unless
+    `sampling` (a SamplingParams) says otherwise."""
     from dspark.cost_table import CostTable
     from dspark.engine import AdmissionConfig, Engine, EngineConfig
     from dspark.loading import load_method_drafter, load_target
@@ -151,7 +153,7 @@ def embedded_greedy(models, prompts: list[list[int]], max_tokens: int) -> list[l
     drafter = load_method_drafter(models.drafter_dir, runner, apply_calibration=True)
     engine = Engine(TargetVerifier(runner), drafter, CostTable.load(models.cost_table),
                     EngineConfig(AdmissionConfig(policy="async_topk"), update_cost_table=False))
-    outputs = engine.generate(prompts, SamplingParams(temperature=0), max_tokens)
+    outputs = engine.generate(prompts, sampling or SamplingParams(temperature=0), max_tokens)
     return [o.output_ids for o in outputs]
 
 
@@ -209,6 +211,6 @@ def dspark_apps() -> set[str]:
     return {n for n in serve.status().applications if n.startswith("dspark")}
 
 
-__all__ = ["ray_cluster", "load_ray_serve_module", "tiny_config", "embedded_greedy", "post",
+__all__ = ["ray_cluster", "load_ray_serve_module", "tiny_config", "embedded_outputs", "post",
            "get_json", "streamed_token_ids", "sse_events", "port_open", "wait_for",
            "dspark_apps"]

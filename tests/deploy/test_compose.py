@@ -122,5 +122,6 @@ def test_compose_stack_in_containers(tmp_path):
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
     report = json.loads(report_path.read_text())
     assert report["passed"] and report["compared_cases"] == 3
+    assert report["seeded_repeats"] == 4 and report["seeded_tokens"] > 0
     assert report["drafter_killed_after_tokens"] < report["drafter_killed_stream_tokens"]
     print(json.dumps(report, indent=2))

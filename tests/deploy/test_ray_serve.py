@@ -36,7 +36,7 @@ import ray
 from dspark.serving.grpc_runtime import channel
 from dspark.serving.protos import pb, rpc
 from tests.deploy.ray_support import (
-    dspark_apps, embedded_greedy, get_json, load_ray_serve_module, port_open, post, sse_events,
+    dspark_apps, embedded_outputs, get_json, load_ray_serve_module, port_open, post, sse_events,
     streamed_token_ids, tiny_config, wait_for)
 
 MAX_TOKENS = 12
@@ -120,7 +120,7 @@ def test_one_cell_serves_the_scheduler_app_itself(tiny_models, ray_cluster):
         assert routed_by is None  # no router in between
         chat_body = json.loads(chat_data)
         assert chat_body["object"] == "chat.completion"
-        expected_chat, expected = embedded_greedy(models, [CHAT_IDS, PROMPTS[0]], MAX_TOKENS)
+        expected_chat, expected = embedded_outputs(models, [CHAT_IDS, PROMPTS[0]], MAX_TOKENS)
         assert chat_body["dspark"]["token_ids"] == expected_chat
         stored = get_json(f"{url}/v1/requests/{chat_body['id']}")
         assert stored["output_token_ids"] == chat_body["dspark"]["token_ids"]
@@ -168,7 +168,7 @@ def two_cells(tiny_models, ray_cluster):
 
 @pytest.fixture(scope="module")
 def long_references(tiny_models):
-    return embedded_greedy(tiny_models, STREAM_PROMPTS, LONG)
+    return embedded_outputs(tiny_models, STREAM_PROMPTS, LONG)
 
 
 def test_two_cells_on_two_nodes_serve_embedded_greedy_outputs(tiny_models, ray_cluster,
@@ -218,7 +218,7 @@ def test_two_cells_on_two_nodes_serve_embedded_greedy_outputs(tiny_models, ray_c
 
     # Every request was served by one of the two cells, and both cells served some.
     assert {cell for cell, _ in completions} == {"0", "1"}
-    expected = embedded_greedy(models, [*PROMPTS, CHAT_IDS], MAX_TOKENS)
+    expected = embedded_outputs(models, [*PROMPTS, CHAT_IDS], MAX_TOKENS)
     for prompt, (_, body), want in zip(PROMPTS, completions, expected):
         assert body["dspark"]["token_ids"] == want, prompt
         assert body["usage"]["completion_tokens"] == len(want)
@@ -240,6 +240,35 @@ def test_two_cells_on_two_nodes_serve_embedded_greedy_outputs(tiny_models, ray_c
         post(f"{url}/v1/completions", {"model": "nope", "prompt": [1], "max_tokens": 2})
     assert refused.value.code == 404
     assert json.loads(refused.value.read())["error"]["code"] == 404
+
+
+def test_a_seeded_request_repeats_on_either_cell(tiny_models, two_cells):
+    """A seeded T = 1 request gives the same tokens on either cell, sent alone or beside unseeded
+    requests, and the embedded engine's tokens for that seed (docs/seeded_sampling.md)."""
+    from dspark.sampling import SamplingParams
+
+    _, _, url = two_cells
+    prompt, seed, max_tokens = [5, 6, 7], 4321, 40
+    seeded = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+              "seed": seed}
+
+    def complete(body):
+        _, cell, data = post(f"{url}/v1/completions", body)
+        return cell, json.loads(data)["dspark"]["token_ids"]
+
+    alone = [complete(seeded) for _ in range(4)]  # equally loaded cells take turns
+    with ThreadPoolExecutor(len(PROMPTS) + 4) as pool:
+        crowd = [pool.submit(complete, {"model": "tiny", "prompt": p, "max_tokens": 30,
+                                        "temperature": 1.0}) for p in PROMPTS]
+        beside = [pool.submit(complete, seeded) for _ in range(4)]
+        beside = [f.result() for f in beside]
+        assert all(len(f.result()[1]) > 0 for f in crowd)
+    want = embedded_outputs(tiny_models, [prompt], max_tokens,
+                            SamplingParams(temperature=1.0, seed=seed))[0]
+    assert len(want) > 0
+    runs = alone + beside
+    assert {cell for cell, _ in runs} == {"0", "1"}, [cell for cell, _ in runs]
+    assert all(tokens == want for _, tokens in runs), [(cell, t[:8]) for cell, t in runs]
 
 
 class Stream(threading.Thread):

@@ -66,8 +66,9 @@ def test_batch_invariant(fmt):
             assert torch.equal(block_linear(x[i:i + 1], w), batch[i:i + 1]), i
         for start in (0, 8, 53):
             assert torch.equal(block_linear(x[start:start + 8], w), batch[start:start + 8]), start
-        # every register tile and its remainders (4, 2 and 1 rows), and past the 32-row chunk
-        for rows in (2, 3, 5, 6, 11, 17, 33):
+        # the few-row tiles (2-4 rows), every strip tile and its remainders (4, 2 and 1 rows), and
+        # past the 32-row chunk
+        for rows in (2, 3, 4, 5, 6, 11, 17, 33):
             assert torch.equal(block_linear(x[:rows], w), batch[:rows]), rows
         torch.set_num_threads(2)
         assert torch.equal(block_linear(x, w), batch)
@@ -100,7 +101,7 @@ def test_isa_paths_bit_identical():
     exts = {k: build_kernel(_kernel_name(flags), flags) for k, flags in builds.items()}
     assert exts["avx2"].isa() == "avx2" and exts["portable"].isa() == "portable"
     bias = torch.randn(42)  # 42 outputs: whole tiles and a partial one on every path
-    for rows in (1, 11):  # the one-row kernel; the multi-row tiles with their remainders
+    for rows in (1, 2, 3, 4, 11):  # the one-row kernel, the few-row tiles, the strip tiles with remainders
         x = torch.randn(rows, 576)
         for fmt in BlockFormat:
             w = random_blocks(fmt, 42, 576, seed=3)

@@ -212,6 +212,43 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
         }
 }
 
+// A few rows without the strip: NT outputs by RT rows, each output's block widened in registers and
+// used at once for all RT rows (only one output's widened weights live at a time, beside the RT
+// rows' inputs of the block, pinned, and the RT x NT accumulators). The same fused multiply-adds in
+// the same order as `tile`: only the instruction schedule differs.
+template <Format F, int NT, int RT>
+inline void direct_tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                        int64_t n0, int64_t r0, const float* bias, float* y, int64_t out) {
+    constexpr int64_t bb = block_bytes(F);
+    const int64_t nb = in / QK;
+    const uint8_t* ahead = w + (n0 + PREFETCH_ROWS) * row_bytes;
+    const uint8_t* end = w + out * row_bytes;
+    Vec acc[RT][NT];
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
+    for (int64_t b = 0; b < nb; ++b) {
+        prefetch_span(ahead + b * NT * bb, NT * bb, end);
+        Vec xlo[RT], xhi[RT];
+        for (int r = 0; r < RT; ++r) {
+            const float* xr = x + (r0 + r) * in + b * QK;
+            xlo[r] = load(xr);
+            xhi[r] = load(xr + 16);
+            pin(xlo[r]);
+            pin(xhi[r]);
+        }
+        for (int n = 0; n < NT; ++n) {
+            Vec wlo, whi;
+            widen(F, w + (n0 + n) * row_bytes + b * bb, wlo, whi);
+            for (int r = 0; r < RT; ++r) acc[r][n] = fma(xhi[r], whi, fma(xlo[r], wlo, acc[r][n]));
+        }
+    }
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) {
+            const float s = finish(acc[r][n]);
+            y[(r0 + r) * out + n0 + n] = bias ? s + bias[n0 + n] : s;
+        }
+}
+
 // Several rows: the tile's weights widened once into `strip` ([outputs][in] float32, the same
 // values `widen` gives), then NT outputs by RT rows read them from there: the same fused
 // multiply-adds in the same order as `tile`, the widening paid once per ROW_CHUNK rows. Per block
@@ -318,15 +355,29 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
 // of the 16 ymm, one half of the lanes at a time); remainder rows run as tiles of 2, then 1. N1
 // outputs widened together for one row (AVX2: 2, whose 4 accumulators and widening temporaries fit the 16 ymm; at 4 GCC spills
 // the accumulators to the stack every block, and a layer's one-row product took ~5% longer).
-// Up to DIRECT_ROWS rows skip the strip: the one-row tile widens N1 outputs' blocks in registers
-// and runs them over every row (AVX2: 2 and 3 rows took 1.28x and 1.65x longer through the strip,
-// whose stores and reloads cost more than 2-3 rows' FMAs save; AVX-512: not measured, and 8
-// outputs x 3 rows would not fit the registers, so only one row goes this way).
+// Up to DIRECT_ROWS rows skip the strip (its stores and reloads cost more than a few rows' FMAs
+// save): DIRECT_OUTS outputs' blocks are widened in registers and used for every row. AVX2: the
+// one-row tile's N1 = 2 outputs over 2-3 rows (2 and 3 rows took 1.28x and 1.65x longer through
+// the strip). AVX-512: `direct_tile`, 4 outputs one at a time over 2-4 rows (16 accumulators, 8
+// inputs, 2 widened weights and the widening's temporaries in the 32 zmm); the products of a step
+// took 1.37x, 1.55x and 1.2x longer through the strip at 2, 3 and 4 rows on a Zen 4, and 5-8 rows
+// (two passes of `direct_tile`) were no faster than the strip.
 #if defined(__AVX512F__)
-constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8, DIRECT_ROWS = 1;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8, DIRECT_ROWS = 4, DIRECT_OUTS = 4;
 #else
-constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS = 3;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS = 3, DIRECT_OUTS = N1;
 #endif
+
+// RT rows (2 .. DIRECT_ROWS) by DIRECT_OUTS outputs from n0, weights widened in registers.
+template <Format F, int RT>
+inline void few_rows(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                     const float* bias, float* y, int64_t out) {
+#if defined(__AVX512F__)
+    direct_tile<F, DIRECT_OUTS, RT>(x, in, w, row_bytes, n0, 0, bias, y, out);
+#else
+    tile<F, DIRECT_OUTS, RT>(x, in, w, row_bytes, n0, 0, bias, y, out);
+#endif
+}
 
 // y[rows, out] (+ bias) for one block format: the thread's output tiles, each row's outputs in
 // the fixed order above.
@@ -347,18 +398,20 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
         });
         return;
     }
-    if (rows <= DIRECT_ROWS) {  // 2 or 3 rows: N1 outputs' blocks widened in registers for all rows
-        const int64_t tiles = (out + N1 - 1) / N1;
+    if (rows <= DIRECT_ROWS) {  // 2 .. DIRECT_ROWS rows: blocks widened in registers for all rows
+        const int64_t tiles = (out + DIRECT_OUTS - 1) / DIRECT_OUTS;
         at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
             for (int64_t t = t0; t < t1; ++t) {
-                const int64_t n0 = t * N1;
-                if (n0 + N1 > out) {
+                const int64_t n0 = t * DIRECT_OUTS;
+                if (n0 + DIRECT_OUTS > out) {
                     for (int64_t n = n0; n < out; ++n)
                         for (int64_t r = 0; r < rows; ++r) tile<F, 1, 1>(xp, in, wp, row_bytes, n, r, bp, yp, out);
                 } else if (rows == 2) {
-                    tile<F, N1, 2>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
+                    few_rows<F, 2>(xp, in, wp, row_bytes, n0, bp, yp, out);
+                } else if (rows == 3) {
+                    few_rows<F, 3>(xp, in, wp, row_bytes, n0, bp, yp, out);
                 } else {
-                    tile<F, N1, 3>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
+                    few_rows<F, DIRECT_ROWS>(xp, in, wp, row_bytes, n0, bp, yp, out);
                 }
             }
         });

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dspark.models.config import ModelConfig
+from dspark.models.gguf_index import read_gguf_index
 from dspark.models.quantized_linear import BlockFormat, BlockWeight, dequantize
 
 __all__ = ["find_gguf", "read_block_weights", "check_against_dense"]
@@ -47,20 +48,18 @@ def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
 def read_block_weights(gguf_path: str | Path, config: ModelConfig) -> dict[str, BlockWeight]:
     """Our module name -> its weight as GGUF blocks, for every layer projection and the LM head.
     Raises ValueError where a tensor is missing or not Q4_1 / Q8_0 (the caller keeps float32)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
-    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    index = read_gguf_index(gguf_path)
+    tensors = index.tensors
+    arch = str(index.metadata.get("general.architecture", ""))
 
     def block_weight(name: str) -> BlockWeight:
         if name not in tensors:
             raise ValueError(f"{gguf_path}: no tensor {name}")
         t = tensors[name]
-        fmt = _FORMATS.get(t.tensor_type.name)
+        fmt = _FORMATS.get(t.type_name)
         if fmt is None:
-            raise ValueError(f"{gguf_path}: {name} is {t.tensor_type.name}, not Q4_1 or Q8_0")
-        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8, order="C"))  # [out, in / 32 * bytes]: a copy
+            raise ValueError(f"{gguf_path}: {name} is {t.type_name}, not Q4_1 or Q8_0")
+        blocks = torch.from_numpy(np.array(index.rows(name), dtype=np.uint8, order="C"))  # [out, in / 32 * bytes]: a copy
         return BlockWeight(fmt, blocks, int(t.shape[0]))
 
     def part(layer: int, name: str) -> BlockWeight:

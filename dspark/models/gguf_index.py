@@ -87,8 +87,10 @@ class _Cursor:
         return s
 
     def skip_strings(self, count: int) -> None:
-        data, pos = self.data, self.pos
+        data, pos, end = self.data, self.pos, len(self.data)
         for _ in range(count):
+            if pos + 8 > end:  # a damaged count would otherwise step past the end for ever
+                raise ValueError("GGUF metadata runs past the end of the file")
             pos += 8 + int.from_bytes(data[pos:pos + 8], "little")
         self.pos = pos
 

@@ -4,6 +4,8 @@ string arrays, number arrays, another alignment and every block format the q4 ru
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
@@ -76,3 +78,22 @@ def test_not_a_gguf(tmp_path):
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF"):
         read_gguf_index(path)
+
+
+def test_damaged_array_count_is_an_error(tmp_path):
+    """A string array whose count runs past the end of the file raises (it does not step on
+    through the count), and so does a file cut inside its vocabulary."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, None, np.random.default_rng(2))
+    data = bytearray(path.read_bytes())
+    key = b"tokenizer.ggml.tokens"
+    at = data.index(key) + len(key) + 4 + 4  # past the value type and the item type
+    assert int.from_bytes(data[at:at + 8], "little") == 300
+    data[at:at + 8] = (1 << 62).to_bytes(8, "little")
+    (tmp_path / "damaged.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="past the end"):
+        read_gguf_index(tmp_path / "damaged.gguf")
+    cut = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(cut[:cut.index(b"tok2tok2") + 4])
+    with pytest.raises((ValueError, struct.error)):
+        read_gguf_index(tmp_path / "cut.gguf")

@@ -138,14 +138,17 @@ def test_penalties_and_min_p_in_the_service_as_in_process(json_stack, json_model
         tokens = tokens[:-4] + [int(raw.tokens[0])] * 3 + [anchor]
         g = torch.Generator().manual_seed(7)
         features = torch.randn(position, local.fc.in_features, generator=g)
-        for d in (local, remote):
-            d.append_context("pen", features, torch.arange(position),
-                             torch.tensor(tokens[:-1]))
-        for params in (SamplingParams(0.0, repetition_penalty=50.0),
-                       SamplingParams(1.0, seed=3, repetition_penalty=1.3, frequency_penalty=0.7,
-                                      presence_penalty=0.4, min_p=0.05),
-                       SamplingParams(0.8, seed=4, top_k=12, frequency_penalty=1.5, min_p=0.2)):
-            request = DraftRequest("pen", anchor, position, params, params.generator(), 5,
+        for case, params in enumerate((
+                SamplingParams(0.0, repetition_penalty=50.0),
+                SamplingParams(1.0, seed=3, repetition_penalty=1.3, frequency_penalty=0.7,
+                               presence_penalty=0.4, min_p=0.05),
+                SamplingParams(0.8, seed=4, top_k=12, frequency_penalty=1.5, min_p=0.2))):
+            # a request per case: a request's sampling parameters (its seed among them) are fixed
+            # for its life, and the service keeps its generator from the request's first round
+            rid = f"pen-{case}"
+            for d in (local, remote):
+                d.append_context(rid, features, torch.arange(position), torch.tensor(tokens[:-1]))
+            request = DraftRequest(rid, anchor, position, params, params.generator(), 5,
                                    token_ids=tokens)
             expected = local.draft([request])[0]
             got = remote.draft([request])[0]

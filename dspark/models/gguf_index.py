@@ -116,7 +116,10 @@ def read_gguf_index(path: str | Path) -> GgufIndex:
     """The tensor index and scalar metadata of the GGUF file at `path`."""
     path = Path(path)
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return _parse(path, data)
+        try:
+            return _parse(path, data)
+        except struct.error as e:  # a record runs past the end of the file
+            raise ValueError(f"{path}: truncated or damaged GGUF ({e})") from e
 
 
 def _parse(path: Path, data) -> GgufIndex:

@@ -63,6 +63,7 @@ import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from ray import serve
 
@@ -836,12 +837,15 @@ def build_app(config: RayServeConfig) -> list[tuple[str, object]]:
 
 
 def run_apps(apps: list[tuple[str, object]], route: str | None = None,
-             timeout_s: float = 900.0) -> None:
+             timeout_s: float = 900.0, node_ids: Sequence[str] = ()) -> None:
     """Deploy applications together (their replicas start in parallel) and return once all
     run; the router (APP_NAME) takes HTTP at `route`, the cells have no route. Raises if one
-    fails to deploy or they are not all running after `timeout_s` (a replica whose constructor
-    hangs would otherwise hold the caller forever)."""
+    fails to deploy, if one of `node_ids` (the nodes the applications are pinned to) dies before
+    they run (their replicas would wait for it forever), or if they are not all running after
+    `timeout_s` (a replica whose constructor hangs would otherwise hold the caller forever)."""
     import time
+
+    import ray
 
     serve.run_many([serve.RunTarget(target=app, name=name,
                                     route_prefix=route if name == APP_NAME else None)
@@ -856,6 +860,12 @@ def run_apps(apps: list[tuple[str, object]], route: str | None = None,
                                f"{states[failed[0]].message}")
         if len(states) == len(apps) and all(a.status == "RUNNING" for a in states.values()):
             return
+        if node_ids:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            dead = [n for n in node_ids if n not in alive]
+            if dead:
+                raise RuntimeError(f"node {dead[0]} died before {', '.join(n for n, _ in apps)} "
+                                   "started on it")
         if time.monotonic() > deadline:
             raise TimeoutError(f"applications not running after {timeout_s:g} s: " + ", ".join(
                 f"{n} {a.status}" for n, a in states.items()))
@@ -993,7 +1003,7 @@ class CellController:
                                                           verifier_gpus, drafter_gpus)))
         if apps:
             try:
-                run_apps(apps)
+                run_apps(apps, node_ids=[node["NodeID"] for node in nodes])
             except Exception:  # a cell that cannot start leaves nothing behind
                 for name, _ in apps:
                     serve.delete(name, _blocking=False)

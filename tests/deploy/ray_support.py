@@ -80,14 +80,40 @@ class RayTestCluster:
 
     def add_worker(self):
         def start():
-            node = self.cluster.add_node(wait=False, num_cpus=1, resources={"dspark_cell": 1},
-                                         object_store_memory=NODE_OBJECT_STORE)
+            try:
+                node = self.cluster.add_node(wait=False, num_cpus=1, resources={"dspark_cell": 1},
+                                             object_store_memory=NODE_OBJECT_STORE)
+            except Exception:
+                self.kill_untracked_nodes()
+                raise
             self.cluster._wait_for_node(node, timeout=NODE_WAIT_S)  # Cluster's own: 30 s
             return node
 
         node = with_retries(start, "a worker node")
         self.workers.append(node)
         return node
+
+    def kill_untracked_nodes(self) -> None:
+        """Kill the processes of this cluster's nodes that the Cluster does not track, and wait
+        until the GCS holds none of them alive. Ray's Node raises when its raylet misses the
+        fixed 30 s registration wait but leaves the raylet running: it may register later and
+        offer a dspark_cell slot the tests know nothing of (a cell placed there never starts
+        once the raylet goes with its collected Node)."""
+        import psutil
+
+        known = {n.node_id for n in [self.cluster.head_node, *self.cluster.worker_nodes]}
+        ours = f"--gcs-address={self.cluster.gcs_address}"
+        for process in psutil.process_iter(["cmdline"]):
+            args = process.info["cmdline"] or []
+            ids = [a.split("=", 1)[1] for a in args if a.startswith(("--node_id=", "--node-id="))]
+            if ours in args and ids and ids[0] not in known:
+                try:
+                    process.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        wait_for(lambda: not [n for n in self.cluster.global_state.node_table()
+                              if n["Alive"] and n["NodeID"] not in known],
+                 60, "an untracked node to be declared dead")
 
     def remove_worker(self, node) -> None:
         """Kill the node's raylet and every worker process on it, as a crash would."""

@@ -135,3 +135,36 @@ def test_a_lost_cell_is_removed_and_replaced_without_autoscaling(controlled):
     assert controller.desired(router.cells) == 2  # whatever the load
     now[0] = 100.0
     assert controller.step()["added"] == []
+
+
+def test_a_cell_whose_node_dies_before_it_runs_fails_its_start(monkeypatch):
+    """run_apps with the nodes its cells are pinned to: while a cell deploys (Serve's status
+    scripted), its node dying makes it raise at the next poll, naming the node, instead of
+    waiting out the deadline for replicas that can never start; a live node lets it wait."""
+    import types
+
+    import ray
+
+    rs = load_ray_serve_module()
+    polls = []
+    alive = {"node-a": True, "node-b": True}
+
+    def status():
+        polls.append(1)
+        if len(polls) == 2:
+            alive["node-b"] = False  # dies while the cell deploys
+        return types.SimpleNamespace(applications={
+            "dspark-cell3": types.SimpleNamespace(status="DEPLOYING", message="")})
+
+    monkeypatch.setattr(rs.serve, "run_many", lambda targets, **kw: None)
+    monkeypatch.setattr(rs.serve, "status", status)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n, "Alive": a} for n, a in alive.items()])
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    with pytest.raises(RuntimeError, match="node node-b died before dspark-cell3 started"):
+        rs.run_apps([("dspark-cell3", object())], node_ids=["node-b"])
+    assert len(polls) == 2
+
+    polls.clear()
+    alive["node-b"] = True
+    with pytest.raises(TimeoutError, match="dspark-cell3 DEPLOYING"):
+        rs.run_apps([("dspark-cell3", object())], timeout_s=0.0, node_ids=["node-a"])

@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
 from dspark.cpu_info import cpu_description, cpu_line
 from dspark.fetch import ensure_gguf
 from dspark.models.config import ModelConfig
 from dspark.models.gguf_blocks import read_block_weights
+from dspark.models.kernel_load import load_kernel
 from dspark.models.quantized_linear import BlockFormat, BlockWeight
 
 
@@ -35,8 +35,9 @@ def build_from(source: Path, tag: str):
     """The kernel built from `source` (the flags `quantized_linear.build_kernel` uses) under a
     name of its own, so two versions load side by side."""
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
-    return load(name=f"dspark_block_linear_{tag}_{digest}", sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    return load_kernel(f"dspark_block_linear_{tag}_{digest}", sources=[str(source)],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       verbose=False)
 
 
 def step_products(ext, weights: list[BlockWeight], xs: dict[int, torch.Tensor]) -> list[torch.Tensor]:

@@ -37,11 +37,12 @@ MIN_FEATURES = 16
 
 
 def _build(flags: tuple[str, ...]):
-    from torch.utils.cpp_extension import load
+    from dspark.models.kernel_load import load_kernel
 
     digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
-    return load(name=f"dspark_rms_norm_{digest}", sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-march=native", *flags, "-ffp-contract=off"], verbose=False)
+    return load_kernel(f"dspark_rms_norm_{digest}", sources=[str(_SOURCE)],
+                       extra_cflags=["-O3", "-march=native", *flags, "-ffp-contract=off"],
+                       verbose=False)
 
 
 @functools.cache

@@ -55,11 +55,11 @@ def build_cpu_kernel(source: Path, name: str, isa_flags: tuple[str, ...] = ()):
     (-march=native: the AVX-512 path where the CPU has it, else the AVX2 one). `isa_flags` come
     after it, to build a narrower path on a wider CPU (("-mno-avx512f",): the AVX2 path;
     ("-mno-avx512f", "-mno-avx2"): the portable loops) for its tests and benchmarks."""
-    from torch.utils.cpp_extension import load
+    from dspark.models.kernel_load import load_kernel
 
-    return load(name=name, sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", *isa_flags, "-fopenmp", "-fopenmp-simd"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    return load_kernel(name, sources=[str(source)],
+                       extra_cflags=["-O3", "-march=native", *isa_flags, "-fopenmp", "-fopenmp-simd"],
+                       extra_ldflags=["-fopenmp"], verbose=False)
 
 
 KERNEL_ISA_FLAGS_ENV = "DSPARK_KERNEL_ISA_FLAGS"

@@ -119,11 +119,11 @@ def build_kernel(name: str, isa_flags: tuple[str, ...] = ()):
     """Compile csrc/block_linear.cpp into extension `name` for this CPU (-march=native), with
     `isa_flags` after it for a narrower path (("-mno-avx512f",): AVX2; ("-mno-avx512f",
     "-mno-avx2", "-mno-fma"): portable)."""
-    from torch.utils.cpp_extension import load
+    from dspark.models.kernel_load import load_kernel
 
-    return load(name=name, sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-march=native", *isa_flags, "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    return load_kernel(name, sources=[str(_SOURCE)],
+                       extra_cflags=["-O3", "-march=native", *isa_flags, "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _kernel_name(flags: tuple[str, ...]) -> str:

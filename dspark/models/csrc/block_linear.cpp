@@ -183,6 +183,24 @@ inline void prefetch_span(const uint8_t* p, int64_t span, const uint8_t* end) {
         if (p + k < end) __builtin_prefetch(p + k);
 }
 
+// A tile's RT x NT accumulators, zeroed.
+template <int NT, int RT>
+inline void zero_tile(Vec (&acc)[RT][NT]) {
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
+}
+
+// A tile's results: each accumulator's lane sum (`finish`), plus its output's bias, stored at
+// y[row][output] for rows r0 .. r0 + RT and outputs n0 .. n0 + NT.
+template <int NT, int RT>
+inline void store_tile(Vec (&acc)[RT][NT], int64_t r0, int64_t n0, const float* bias, float* y, int64_t out) {
+    for (int r = 0; r < RT; ++r)
+        for (int n = 0; n < NT; ++n) {
+            const float s = finish(acc[r][n]);
+            y[(r0 + r) * out + n0 + n] = bias ? s + bias[n0 + n] : s;
+        }
+}
+
 // NT outputs (n0 ..) by RT rows (r0 ..): each weight block widened once for the RT rows.
 template <Format F, int NT, int RT>
 inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
@@ -193,8 +211,7 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
     const uint8_t* ahead = w + (n0 + PREFETCH_ROWS) * row_bytes;
     const uint8_t* end = w + out * row_bytes;
     Vec acc[RT][NT];
-    for (int r = 0; r < RT; ++r)
-        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
+    zero_tile<NT, RT>(acc);
     for (int64_t b = 0; b < nb; ++b) {
         prefetch_span(ahead + b * NT * bb, NT * bb, end);
         Vec wlo[NT], whi[NT];
@@ -205,11 +222,7 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
             for (int n = 0; n < NT; ++n) acc[r][n] = fma(xhi, whi[n], fma(xlo, wlo[n], acc[r][n]));
         }
     }
-    for (int r = 0; r < RT; ++r)
-        for (int n = 0; n < NT; ++n) {
-            const float s = finish(acc[r][n]);
-            y[(r0 + r) * out + n0 + n] = bias ? s + bias[n0 + n] : s;
-        }
+    store_tile<NT, RT>(acc, r0, n0, bias, y, out);
 }
 
 // A few rows without the strip: NT outputs by RT rows, each output's block widened in registers and
@@ -224,8 +237,7 @@ inline void direct_tile(const float* x, int64_t in, const uint8_t* w, int64_t ro
     const uint8_t* ahead = w + (n0 + PREFETCH_ROWS) * row_bytes;
     const uint8_t* end = w + out * row_bytes;
     Vec acc[RT][NT];
-    for (int r = 0; r < RT; ++r)
-        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
+    zero_tile<NT, RT>(acc);
     for (int64_t b = 0; b < nb; ++b) {
         prefetch_span(ahead + b * NT * bb, NT * bb, end);
         Vec xlo[RT], xhi[RT];
@@ -242,11 +254,7 @@ inline void direct_tile(const float* x, int64_t in, const uint8_t* w, int64_t ro
             for (int r = 0; r < RT; ++r) acc[r][n] = fma(xhi[r], whi, fma(xlo[r], wlo, acc[r][n]));
         }
     }
-    for (int r = 0; r < RT; ++r)
-        for (int n = 0; n < NT; ++n) {
-            const float s = finish(acc[r][n]);
-            y[(r0 + r) * out + n0 + n] = bias ? s + bias[n0 + n] : s;
-        }
+    store_tile<NT, RT>(acc, r0, n0, bias, y, out);
 }
 
 // Several rows: the tile's weights widened once into `strip` ([outputs][in] float32, the same
@@ -309,11 +317,7 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
         for (int r = 0; r < RT; ++r)
             for (int n = 0; n < NT; ++n) (g == 0 ? acc[r][n].a : acc[r][n].b) = a[r][n];
     }
-    for (int r = 0; r < RT; ++r)
-        for (int n = 0; n < NT; ++n) {
-            const float s = finish(acc[r][n]);
-            y[(r0 + r) * out + n0 + n_off + n] = bias ? s + bias[n0 + n_off + n] : s;
-        }
+    store_tile<NT, RT>(acc, r0, n0 + n_off, bias, y, out);
 }
 #else
 template <int NT, int RT>
@@ -321,8 +325,7 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
                        const float* bias, float* y, int64_t out) {
     const int64_t nb = in / QK;
     Vec acc[RT][NT];
-    for (int r = 0; r < RT; ++r)
-        for (int n = 0; n < NT; ++n) acc[r][n] = zero();
+    zero_tile<NT, RT>(acc);
     for (int64_t b = 0; b < nb; ++b) {
         // the NT outputs' 32 weights of block b held in registers across the RT rows
         Vec wlo[NT], whi[NT];
@@ -341,11 +344,7 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
             for (int n = 0; n < NT; ++n) acc[r][n] = fma(xhi, whi[n], fma(xlo, wlo[n], acc[r][n]));
         }
     }
-    for (int r = 0; r < RT; ++r)
-        for (int n = 0; n < NT; ++n) {
-            const float s = finish(acc[r][n]);
-            y[(r0 + r) * out + n0 + n_off + n] = bias ? s + bias[n0 + n_off + n] : s;
-        }
+    store_tile<NT, RT>(acc, r0, n0 + n_off, bias, y, out);
 }
 #endif
 

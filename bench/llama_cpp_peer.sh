@@ -6,11 +6,12 @@
 #   bench/llama_cpp_peer.sh build      # download the sdist and build llama-bench (2 jobs; run it under
 #                                      # nohup: it takes a while). Cached in $LLAMA_CPP_HOME, outside the repo.
 #   bench/llama_cpp_peer.sh run [N]    # N turns (default 3) of: llama-bench, then ours with --weights q4
-#                                      # and float32, each on CPU $CPU (default 1) with one thread.
+#                                      # and float32, each on CPUs $CPU (default 1) with $THREADS threads
+#                                      # (default 1; THREADS=2 CPU=0,1 for two).
 #
 # Environment: LLAMA_CPP_HOME (default ~/.cache/dspark/llama.cpp), LLAMA_CPP_VERSION (default 11434),
 # GGUF (default: the SmolLM2 Q4_1 file next to the prepared model, see dspark fetch-model), CPU,
-# PYTHON (default python), NEW_TOKENS (64), PROMPT_TOKENS (128).
+# THREADS, PYTHON (default python), NEW_TOKENS (64), PROMPT_TOKENS (128).
 set -euo pipefail
 
 HOME_DIR=${LLAMA_CPP_HOME:-$HOME/.cache/dspark/llama.cpp}
@@ -20,6 +21,7 @@ BUILD=$HOME_DIR/build-$VERSION
 BENCH_BIN=$BUILD/bin/llama-bench
 PYTHON=${PYTHON:-python}
 CPU=${CPU:-1}
+THREADS=${THREADS:-1}
 NEW_TOKENS=${NEW_TOKENS:-64}
 PROMPT_TOKENS=${PROMPT_TOKENS:-128}
 
@@ -49,11 +51,11 @@ run() {
     echo "gguf: $gguf"
     for turn in $(seq 1 "$turns"); do
         echo "== turn $turn: llama.cpp"
-        taskset -c "$CPU" "$BENCH_BIN" -m "$gguf" -t 1 -p "$PROMPT_TOKENS" -n "$NEW_TOKENS" -r 3 -o md
+        taskset -c "$CPU" "$BENCH_BIN" -m "$gguf" -t "$THREADS" -p "$PROMPT_TOKENS" -n "$NEW_TOKENS" -r 3 -o md
         for weights in q4 float32; do
             echo "== turn $turn: ours, --weights $weights"
             taskset -c "$CPU" "$PYTHON" bench/target_decode.py --weights "$weights" --streams 1 \
-                --new-tokens "$NEW_TOKENS" --decode-steps 8 --threads 1 --no-hf
+                --new-tokens "$NEW_TOKENS" --decode-steps 8 --threads "$THREADS" --no-hf
         done
     done
 }

@@ -415,6 +415,10 @@ LOST_STREAM_EVENT = ("data: " + json.dumps({"error": {
 """The last event of a stream whose cell was lost (its node died) before the stream ended."""
 
 
+CELL_INFO_FIELDS = ("cell", "node_id", "node_ip", "verifier", "drafter", "http", "grpc", "running")
+"""What a cell's `info` answers (SchedulerReplica.info), and `GET /cells` shows for each cell."""
+
+
 @dataclass
 class _RoutedCell:
     """The router's view of one cell application."""
@@ -470,6 +474,9 @@ class Ingress:
         self.resume_locks: dict[str, asyncio.Lock] = {}
         for app in cell_apps:
             self._add(app)
+        # Each cell checked once before the router serves, as a cell added later is, so that
+        # `GET /cells` names its node and addresses from the first request on.
+        await asyncio.gather(*(self._check(c) for c in self.cells.values()))
         self._checker = asyncio.get_running_loop().create_task(self._check_forever())
 
     def __serve_build_asgi_app__(self):
@@ -538,8 +545,10 @@ class Ingress:
             await asyncio.sleep(self.health_period_s)
 
     async def list_cells(self) -> dict:
-        """`GET /cells`: every cell's addresses, node, health and requests in flight here."""
-        return {"cells": [{"cell": int(c.index) if c.index.isdigit() else c.index, **c.info,
+        """`GET /cells`: every cell's addresses, node, health and requests in flight here; a cell
+        whose check has not answered yet has the same fields, null."""
+        return {"cells": [{**dict.fromkeys(CELL_INFO_FIELDS),
+                           "cell": int(c.index) if c.index.isdigit() else c.index, **c.info,
                            "app": c.app, "healthy": c.healthy, "draining": c.draining,
                            "in_flight": c.in_flight} for c in self.cells.values()]}
 

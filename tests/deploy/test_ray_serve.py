@@ -109,6 +109,7 @@ def test_one_cell_serves_the_scheduler_app_itself(tiny_models, ray_cluster):
         assert {"/v1/completions", "/v1/chat/completions", "/v1/requests/{request_id}",
                 "/health", "/cells"} <= set(schema["paths"])
         cell, = get_json(f"{url}/cells")["cells"]
+        assert set(cell) == set(rs.CELL_INFO_FIELDS)  # what the router lists for every cell
         assert cell["cell"] == 0
         assert cell["node_id"] in {w.node_id for w in ray_cluster.workers}
         addresses = [cell["verifier"], cell["drafter"], cell["http"], cell["grpc"]]
@@ -180,6 +181,14 @@ def test_two_cells_on_two_nodes_serve_embedded_greedy_outputs(tiny_models, ray_c
     assert url == f"http://127.0.0.1:{ray_cluster.http_port}"
     cells = get_json(f"{url}/cells")["cells"]
     assert sorted(c["cell"] for c in cells) == [0, 1]
+    assert all(set(rs.CELL_INFO_FIELDS) <= set(c) for c in cells)  # known or null, never missing
+
+    def all_known():
+        listed = get_json(f"{url}/cells")["cells"]
+        return listed if all(c["node_id"] for c in listed) else None
+
+    # On a loaded machine a cell's first check can time out: its fields fill in at a later one.
+    cells = wait_for(all_known, 60, "the router to know both cells' nodes")
     # Each cell on its own worker node, its three replicas together there.
     workers = {w.node_id for w in ray_cluster.workers}
     assert {c["node_id"] for c in cells} == workers

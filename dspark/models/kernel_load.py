@@ -19,7 +19,7 @@ import fcntl
 import logging
 from pathlib import Path
 
-__all__ = ["load_kernel", "build_folder"]
+__all__ = ["load_kernel", "build_folder", "guard_file"]
 
 _log = logging.getLogger(__name__)
 
@@ -32,13 +32,18 @@ def build_folder(name: str) -> Path:
     return Path(_get_build_directory(name, verbose=False))
 
 
+def guard_file(folder: Path) -> Path:
+    """The file whose fcntl lock every load of ours holds around torch's (beside the folder)."""
+    return folder.with_name(f"{folder.name}.guard")
+
+
 def load_kernel(name: str, **load_args):
     """`torch.utils.cpp_extension.load(name=name, **load_args)`, with a lock left in the build
     folder by a dead process removed first (module docstring)."""
     from torch.utils.cpp_extension import load
 
     folder = build_folder(name)
-    with open(folder.with_name(f"{folder.name}.guard"), "a") as guard:
+    with open(guard_file(folder), "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released by the OS if this process dies
         stale = folder / "lock"
         if stale.exists():

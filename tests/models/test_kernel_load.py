@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dspark.models import fused_norm
-from dspark.models.kernel_load import build_folder
+from dspark.models.kernel_load import build_folder, guard_file
 
 LOAD = ("import torch\n"
         "from dspark.models import fused_norm\n"
@@ -77,7 +77,7 @@ def test_a_lock_left_by_a_dead_build_is_removed(kernel_folder, load_in_a_process
 
 
 def test_a_live_builders_lock_is_waited_for(kernel_folder, load_in_a_process):
-    guard = kernel_folder.with_name(f"{kernel_folder.name}.guard")
+    guard = guard_file(kernel_folder)
     with open(guard, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # a live process of ours building the kernel
         (kernel_folder / "lock").touch()

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models import fused_norm
+from dspark.models.block_layer_loop import BlockLayerLoop, LayerWeights
 from dspark.models.config import ModelConfig
 from dspark.models.flex_paged_attention import FlexMask, build_flex_mask, flex_paged_attention
 from dspark.models.kv_cache import PagedKVCache
@@ -497,6 +498,9 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
+        self.block_loop: BlockLayerLoop | None = None
+        """The layers as one loop of kernel calls, set when every projection is on GGUF blocks
+        (`use_block_weights`); passes it applies to skip the module calls (same bits)."""
 
     def forward(self, batch: FlatBatch, cache: PagedKVCache, impl: AttentionImpl,
                 hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -507,11 +511,15 @@ class Transformer(nn.Module):
         """
         h = self.embed_tokens(batch.token_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary(batch.positions, h.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, impl, cache, i)
-            if i in hidden_layer_ids:
-                captured[i] = h
+        loop = self.block_loop
+        if loop is not None and impl is AttentionImpl.PAGED and loop.applies(h, cache.k.dtype, bool(batch.long_queries)):
+            h, captured = loop.run(h, cos, sin, batch, cache, hidden_layer_ids)
+        else:
+            captured: dict[int, torch.Tensor] = {}
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, batch, impl, cache, i)
+                if i in hidden_layer_ids:
+                    captured[i] = h
         hidden = torch.stack([captured[i] for i in hidden_layer_ids], dim=1) if hidden_layer_ids else None
         return h, hidden
 
@@ -534,6 +542,31 @@ class Transformer(nn.Module):
             if not isinstance(module, Linear):
                 raise ValueError(f"{name} is not a Linear")
             module.use_blocks(blocks, keep_dense=name == "lm_head", max_rows=max_rows)
+        self.block_loop = self._block_layer_loop(max_rows)
+
+    def _block_layer_loop(self, max_rows: int | None) -> BlockLayerLoop | None:
+        """The layers as a `BlockLayerLoop` when every projection has blocks, no layer has q/k
+        norms and the hidden size takes the fused norm; else None (the module path)."""
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.q_norm is not None or any(lin.blocks is None for lin in linears):
+                return None
+            if any(lin.packed is not None and lin.blocks_max_rows != max_rows for lin in linears):
+                return None
+            layers.append(LayerWeights(
+                layer.input_layernorm.weight.detach(), attn.qkv_proj.blocks, _bias(attn.qkv_proj),
+                attn.o_proj.blocks, _bias(attn.o_proj), layer.post_attention_layernorm.weight.detach(),
+                mlp.gate_up_proj.blocks, _bias(mlp.gate_up_proj), mlp.down_proj.blocks, _bias(mlp.down_proj)))
+        if self.config.hidden_size < fused_norm.MIN_FEATURES or not layers:
+            return None
+        # packed weights beside the blocks: passes over max_rows take them (the module path)
+        packed = any(lin.packed is not None for layer in self.layers for lin in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        attn = self.layers[0].self_attn
+        return BlockLayerLoop(layers, attn.num_heads, attn.head_dim, self.config.intermediate_size,
+                              self.config.rms_norm_eps, attn.scale, max_rows if packed else None)
 
     def set_upcast_min_rows(self, rows: int | None) -> None:
         """Rows from which bf16/fp16 matrix products run in float32 (see `Linear`); None: never."""
@@ -544,3 +577,7 @@ class Transformer(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: h [num_rows, hidden_size] (a layer output) -> logits [num_rows, vocab_size] float32."""
         return self.lm_head(self.norm(h)).float()
+
+
+def _bias(linear: Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()

@@ -13,9 +13,11 @@ pass so the context stays put):
   attention kernel, norms, RoPE / residual / SiLU arithmetic, K/V writes and the rest (views,
   copies, metadata), with the operator count per pass.
 
-With `--paired N`, also N passes of each shape on the fused kernels (`rope_write_attention`,
-`fused_norm`) and on the separate steps they replace (`Attention.fused_step` off, torch's
-rms_norm), in turns, with the median per-pair ratio of CPU times and whether the logits bits agree.
+With `--paired N`, also N rounds of passes of each shape in turns: the layers' kernel loop
+(`BlockLayerLoop`, the default), the module path on the same fused kernels
+(`rope_write_attention`, `fused_norm`), and the module path on the separate steps those kernels
+replace (`Attention.fused_step` off, torch's rms_norm); the median per-round ratio of CPU times to
+the loop's, and whether the logits bits agree.
 
 The profiler adds its own cost to every operator, so its groups say where the operators' time
 goes, not the time a pass takes; the CPU-time rows are the numbers to compare. The fused kernels
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -43,7 +46,7 @@ from target_decode import chat_prompts  # noqa: E402
 
 from dspark.cpu_info import cpu_description, cpu_line  # noqa: E402
 from dspark.fetch import ensure_gguf  # noqa: E402
-from dspark.models import fused_norm, quantized_linear  # noqa: E402
+from dspark.models import block_layer_loop, fused_norm, quantized_linear  # noqa: E402
 from dspark.models import transformer as transformer_module  # noqa: E402
 from dspark.models.runner import ForwardItem, RunnerConfig, TargetRunner  # noqa: E402
 from dspark.paths import EVAL_PROMPTS_DIR  # noqa: E402
@@ -74,31 +77,52 @@ def run_pass(runner: TargetRunner, rid, token: int, rows: int) -> int:
     return int(out.logits[-1].argmax())
 
 
+PAIRED_SETUPS = ("loop", "modules", "separate")
+"""What `paired` runs in turns: the layers' kernel loop (`BlockLayerLoop`, the default path), the
+module path on the same fused kernels, and the module path on the separate steps the fused
+kernels replace (`Attention.fused_step` off, torch's rms_norm)."""
+
+
 def paired(runner: TargetRunner, rid, token: int, rows: int, passes: int) -> dict:
-    """`passes` pairs of one pass on the fused kernels and one on the separate steps (the same
-    tokens, K/V dropped after each): CPU ms medians, the median per-pair ratio, same bits."""
-    lanes = fused_norm.lanes
-    times = {True: [], False: []}
+    """`passes` rounds of one pass per `PAIRED_SETUPS` entry (the same tokens, K/V dropped after
+    each): CPU ms medians, the median per-round ratio to the loop, whether all logits bits agree."""
+    lanes, loop = fused_norm.lanes, runner.model.block_loop
+    times = {name: [] for name in PAIRED_SETUPS}
     same = True
     try:
         for _ in range(passes):
-            logits = {}
-            for fused in (True, False):
-                transformer_module.Attention.fused_step = fused
-                fused_norm.lanes = lanes if fused else (lambda: None)
+            logits = []
+            for name in PAIRED_SETUPS:
+                runner.model.block_loop = loop if name == "loop" else None
+                transformer_module.Attention.fused_step = name != "separate"
+                fused_norm.lanes = lanes if name != "separate" else (lambda: None)
                 t0 = time.thread_time()
                 out = runner.forward([ForwardItem(rid, [token] * rows, logits_from=0)])
-                times[fused].append(time.thread_time() - t0)
-                logits[fused] = out.logits
+                times[name].append(time.thread_time() - t0)
+                logits.append(out.logits)
                 runner.truncate(rid, runner.length(rid) - rows)
-            same &= torch.equal(logits[True], logits[False])
+            same &= all(torch.equal(logits[0], other) for other in logits[1:])
     finally:
+        runner.model.block_loop = loop
         transformer_module.Attention.fused_step = True
         fused_norm.lanes = lanes
-    return {"fused_cpu_ms": round(1e3 * statistics.median(times[True]), 2),
-            "separate_cpu_ms": round(1e3 * statistics.median(times[False]), 2),
-            "separate_over_fused": round(statistics.median(s / f for f, s in zip(times[True], times[False])), 3),
+    return {**{f"{name}_cpu_ms": round(1e3 * statistics.median(times[name]), 2) for name in PAIRED_SETUPS},
+            **{f"{name}_over_loop": round(statistics.median(t / l for l, t in zip(times["loop"], times[name])), 3)
+               for name in PAIRED_SETUPS[1:]},
             "same_bits": same}
+
+
+@contextlib.contextmanager
+def products_as(fn):
+    """Every block product of a pass, on the module path (`transformer.block_linear`) and in the
+    layers' kernel loop (`block_layer_loop._product`), goes to fn(x, weight, bias) meanwhile."""
+    module_product, loop_product = transformer_module.block_linear, block_layer_loop._product
+    transformer_module.block_linear = fn
+    block_layer_loop._product = lambda ext, x, weight, bias, profiling: fn(x, weight, bias)
+    try:
+        yield
+    finally:
+        transformer_module.block_linear, block_layer_loop._product = module_product, loop_product
 
 
 def main() -> int:
@@ -111,7 +135,7 @@ def main() -> int:
     parser.add_argument("--rows", default="1,8", help="new tokens per pass, comma-separated")
     parser.add_argument("--top-ops", type=int, default=0, help="also print the profiler's top operators")
     parser.add_argument("--paired", type=int, default=0,
-                        help="passes of fused kernels against the separate steps, in turns (0: none)")
+                        help="rounds of the kernel loop, the module path and the separate steps, in turns (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -141,11 +165,8 @@ def main() -> int:
                 calls.append((x.clone(), weight, bias))
                 return real(x, weight, bias)
 
-            transformer_module.block_linear = recording
-            try:
+            with products_as(recording):
                 token = run_pass(runner, rid, token, rows)
-            finally:
-                transformer_module.block_linear = real
             products = []
             for _ in range(args.steps):
                 t0 = time.thread_time()
@@ -160,8 +181,7 @@ def main() -> int:
                     zeros[shape] = torch.zeros(shape)
                 return zeros[shape]
 
-            transformer_module.block_linear = no_product
-            try:
+            with products_as(no_product):
                 outside = []
                 for _ in range(args.steps):
                     t0 = time.thread_time()
@@ -170,8 +190,6 @@ def main() -> int:
                     if rows == 1:  # keep the context length as the real passes had it
                         runner.truncate(rid, runner.length(rid) - 1)
                 del token_kept
-            finally:
-                transformer_module.block_linear = real
             with profile() as prof:
                 for _ in range(args.profile_steps):
                     token = run_pass(runner, rid, token, rows)
@@ -199,8 +217,9 @@ def main() -> int:
             report["paired"] = {rows: paired(runner, rid, token, rows, args.paired)
                                 for rows in (int(r) for r in args.rows.split(","))}
             for rows, r in report["paired"].items():
-                print(f"{rows} row(s): fused {r['fused_cpu_ms']} ms, separate {r['separate_cpu_ms']} ms, "
-                      f"separate / fused paired {r['separate_over_fused']}, same bits {r['same_bits']}")
+                print(f"{rows} row(s): loop {r['loop_cpu_ms']} ms, modules {r['modules_cpu_ms']} ms, separate steps "
+                      f"{r['separate_cpu_ms']} ms; paired over the loop: modules {r['modules_over_loop']}, "
+                      f"separate {r['separate_over_loop']}; same bits {r['same_bits']}")
     cpu = cpu_description()
     print(f"\nCPU: {cpu_line(cpu)}; torch threads {torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.1f}")

@@ -136,18 +136,21 @@ def unit_floats(words: torch.Tensor) -> torch.Tensor:
 
 
 def _counters(seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor,
-              purpose: Purpose) -> tuple[torch.Tensor, torch.Tensor]:
-    """Philox inputs for n keys: seeds, positions, offsets [n] int64 -> counter [n, 4], key [n, 2]."""
+              purpose: Purpose | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Philox inputs for n keys: seeds, positions, offsets [n] int64 and one purpose or [n]
+    int64 purposes -> counter [n, 4], key [n, 2]."""
+    purposes = purpose if isinstance(purpose, torch.Tensor) else torch.full_like(offsets, int(purpose))
     counter = torch.stack([offsets & MASK32, positions & MASK32, (positions >> 32) & MASK32,
-                           torch.full_like(offsets, int(purpose))], dim=1)
+                           purposes], dim=1)
     key = torch.stack([seeds & MASK32, (seeds >> 32) & MASK32], dim=1)
     return counter, key
 
 
 def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor,
-                   purpose: Purpose) -> torch.Tensor:
-    """One uniform per key: seeds, positions, offsets [n] int64 (one device) -> [n] float32 in
-    (0, 1), a function of (seed, position, offset, purpose) alone."""
+                   purpose: Purpose | torch.Tensor) -> torch.Tensor:
+    """One uniform per key: seeds, positions, offsets [n] int64 (one device) and one purpose or
+    [n] int64 purposes -> [n] float32 in (0, 1), a function of (seed, position, offset, purpose)
+    alone."""
     assert seeds.shape == positions.shape == offsets.shape, (seeds.shape, positions.shape,
                                                              offsets.shape)
     if seeds.numel() == 0:
@@ -204,14 +207,22 @@ class RandomDraws:
 
 def draw_uniforms(draft_lens: torch.Tensor,
                   generators: CounterGenerator | Sequence[CounterGenerator],
-                  anchor_positions: torch.Tensor | Sequence[int]) -> RandomDraws:
+                  anchor_positions: torch.Tensor | Sequence[int],
+                  greedy: bool = False) -> RandomDraws:
     """The uniforms of one verification round, keyed (dspark.random_draws): request r's accept
     uniforms are ACCEPT (n_r, k) for k = 1..l_r and its recovered/bonus uniform NEXT (n_r, 0),
     where n_r is its anchor's position, under its generator's seed. They depend on nothing
-    else: not on the batch around the request, nor on what it drew before.
+    else: not on the batch around the request, nor on what it drew before. Both kinds come from
+    one Philox call over all the round's keys (each key's word is its own: the same bits as a
+    call per kind).
 
     draft_lens [num_requests]; generators: one per request, or one for all (then the anchor
     positions must tell the requests apart); anchor_positions [num_requests].
+
+    `greedy`: every request of the round is greedy, so no uniform is read (a greedy draft is
+    accepted iff it is the argmax, u * p_draft < p_target with p_target 0 or 1 for any u in
+    [0, 1), and the next token is the argmax): the uniforms are zeros, and Philox, about half a
+    millisecond of small operators a round on a CPU, is not run.
     """
     num_requests = draft_lens.shape[0]
     if isinstance(generators, CounterGenerator):
@@ -222,9 +233,15 @@ def draw_uniforms(draft_lens: torch.Tensor,
     seeds = seed_tensor(generators, device)  # [num_requests]
     anchors = torch.as_tensor(anchor_positions, dtype=torch.int64, device=device)
     assert anchors.shape == (num_requests,), (anchors.shape, num_requests)
-    req_of_draft = torch.repeat_interleave(torch.arange(num_requests, device=device), draft_lens)
+    num_drafts = int(draft_lens.sum())
+    if greedy:
+        return RandomDraws(torch.zeros(num_drafts, device=device), torch.zeros(num_requests, device=device),
+                           seeds, anchors)
+    req_of_draft = torch.repeat_interleave(torch.arange(num_requests, device=device), draft_lens,
+                                           output_size=num_drafts)  # [num_drafts]
     first_draft = torch.cumsum(draft_lens, 0) - draft_lens  # [num_requests]
-    k = torch.arange(req_of_draft.shape[0], device=device) - first_draft[req_of_draft] + 1
-    accept = keyed_uniforms(seeds[req_of_draft], anchors[req_of_draft], k, Purpose.ACCEPT)
-    sample = keyed_uniforms(seeds, anchors, torch.zeros_like(anchors), Purpose.NEXT)
-    return RandomDraws(accept, sample, seeds, anchors)
+    k = torch.arange(num_drafts, device=device) - first_draft[req_of_draft] + 1  # [num_drafts]
+    purposes = torch.cat([torch.full_like(k, int(Purpose.ACCEPT)), torch.full_like(anchors, int(Purpose.NEXT))])
+    both = keyed_uniforms(torch.cat([seeds[req_of_draft], seeds]), torch.cat([anchors[req_of_draft], anchors]),
+                          torch.cat([k, torch.zeros_like(anchors)]), purposes)  # [num_drafts + num_requests]
+    return RandomDraws(both[:num_drafts], both[num_drafts:], seeds, anchors)

@@ -262,7 +262,8 @@ def pack_round(requests: Sequence[VerifyRequest], prefill: Sequence[PrefillChunk
         requests=requests, chunks=prefill, items=items, drafts=drafts, draft_lens=draft_lens,
         draft_tokens=draft_tokens,
         draft_probs=pack_draft_probs(admitted, counts, vocab_size, device),
-        draws=draw_uniforms(draft_lens, generators, list(anchor_positions)),
+        draws=draw_uniforms(draft_lens, generators, list(anchor_positions),
+                            greedy=all(r.sampling.is_greedy for r in requests)),
         anchor_positions=list(anchor_positions), chunk_starts=list(chunk_starts),
         first_generators=[CounterGenerator.resolve(c.generator, c.sampling.seed)
                           for c in prefill if c.final],

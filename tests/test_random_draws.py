@@ -110,6 +110,47 @@ def test_gumbel_max_samples_the_distribution():
     assert chisquare(counts, expected / expected.sum() * N).pvalue > P_VALUE_OK
 
 
+def test_a_rounds_draws_are_their_keys_uniforms():
+    """One Philox call serves both kinds of a round: request r's accept uniforms are the keys
+    (seed_r, n_r, k, ACCEPT), k = 1..l_r, and its next-token uniform (seed_r, n_r, 0, NEXT),
+    each drawn alone here."""
+    gens = [CounterGenerator(s) for s in (5, 6, 7)]
+    lens, anchors = torch.tensor([2, 0, 3]), torch.tensor([10, 20, 30])
+    draws = draw_uniforms(lens, gens, anchors)
+    seeds = seed_tensor(gens)
+    accept = [keyed_uniforms(seeds[r:r + 1], anchors[r:r + 1], torch.tensor([k]), Purpose.ACCEPT)
+              for r in range(3) for k in range(1, int(lens[r]) + 1)]
+    assert torch.equal(draws.accept_uniform, torch.cat(accept))
+    assert torch.equal(draws.sample_uniform, keyed_uniforms(seeds, anchors, torch.zeros(3, dtype=torch.int64),
+                                                            Purpose.NEXT))
+
+
+def test_greedy_rounds_draw_no_uniforms_and_decide_the_same():
+    """An all-greedy round's draws are zeros (no Philox), and every greedy verdict is the one
+    the keyed uniforms give: accepted drafts, rejections and next tokens."""
+    from dspark.rejection import VerifyBatch, verify
+
+    vocab, lens = 16, torch.tensor([3, 0, 4, 1])
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(int(lens.sum()) + 4, vocab, generator=g)  # l_r + 1 rows a request
+    argmax = logits.argmax(dim=1)
+    tokens, row = [], 0
+    for r, n in enumerate(lens.tolist()):  # request r's drafts follow the target for r steps
+        tokens += [int(argmax[row + k]) if k < r else (int(argmax[row + k]) + 1) % vocab for k in range(n)]
+        row += n + 1
+    probs = torch.softmax(torch.randn(len(tokens), vocab, generator=g), dim=1)
+    batch = VerifyBatch(draft_tokens=torch.tensor(tokens), draft_lens=lens, draft_probs=probs,
+                        target_logits=logits, sampling=[SamplingParams(temperature=0.0)] * 4)
+    gens, anchors = [CounterGenerator(s) for s in range(4)], torch.tensor([7, 8, 9, 10])
+    greedy = draw_uniforms(lens, gens, anchors, greedy=True)
+    assert not greedy.accept_uniform.any() and not greedy.sample_uniform.any()
+    assert greedy.accept_uniform.shape == (8,) and greedy.sample_uniform.shape == (4,)
+    keyed = verify(batch, draw_uniforms(lens, gens, anchors))
+    zeros = verify(batch, greedy)
+    assert keyed.num_accepted.tolist() == zeros.num_accepted.tolist() == [0, 0, 2, 1]
+    assert torch.equal(keyed.next_tokens, zeros.next_tokens)
+
+
 def test_verification_and_draft_draws_depend_on_the_request_alone():
     gens = [CounterGenerator(s) for s in (5, 6, 7)]
     lens = torch.tensor([2, 0, 3])

@@ -92,6 +92,27 @@ def test_greedy_ignores_the_random_draws():
         assert result.output_tokens(batch) == [[int(argmax[0]), int(argmax[1]), int(argmax[2])]]
 
 
+def test_greedy_decode_steps_take_each_rows_argmax_as_in_a_mixed_batch():
+    """Greedy requests without drafts (decode steps): each next token is its row's first argmax
+    (ties included), nothing accepted; the same as the general path gives them beside a sampled
+    request with drafts."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 8, generator=g)
+    logits[1, 2] = logits[1, 6] = logits[1].max() + 1.0  # a tie: the lower index wins
+    greedy = [SamplingParams(temperature=0)] * 3
+    alone = verify(VerifyBatch(torch.zeros(0, dtype=torch.int64), torch.tensor([0, 0, 0]), torch.zeros(0, 8),
+                               logits, greedy), seeded_draws(torch.tensor([0, 0, 0]), 1))
+    assert alone.num_accepted.tolist() == [0, 0, 0]
+    assert alone.next_tokens.tolist() == [int(torch.argmax(row)) for row in logits] and alone.next_tokens[1] == 2
+    sampled_logits = torch.randn(3, 8, generator=g)  # a sampled request with 2 drafts: 3 rows
+    drafts = torch.tensor([1, 5])
+    mixed_batch = VerifyBatch(drafts, torch.tensor([0, 0, 0, 2]), torch.softmax(torch.randn(2, 8, generator=g), 1),
+                              torch.cat([logits, sampled_logits]), greedy + [SamplingParams(temperature=1.0)])
+    mixed = verify(mixed_batch, seeded_draws(mixed_batch.draft_lens, 1))
+    assert mixed.num_accepted[:3].tolist() == [0, 0, 0]
+    assert torch.equal(mixed.next_tokens[:3], alone.next_tokens)
+
+
 def test_invalid_batches_name_the_problem():
     with pytest.raises(ValueError, match="target_logits"):
         VerifyBatch(torch.tensor([1]), torch.tensor([1]), torch.eye(4)[[1]], torch.zeros(1, 4),

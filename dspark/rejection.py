@@ -213,12 +213,8 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
     lens = batch.draft_lens.tolist()  # [R] host ints (draft_lens lives on the host)
     num_requests, vocab_size = batch.num_requests, batch.vocab_size
     num_drafts = sum(lens)
-    if num_drafts == 0 and all(p.is_greedy for p in batch.sampling):
-        # greedy decode steps (target-only, or no draft admitted): one row per request, its
-        # argmax is the next token; the general path below gives the same, in ~25 more operators
-        next_tokens = argmax_first(batch.target_logits, dim=1)  # [R]
-        return VerifyResult(num_accepted=torch.zeros(num_requests, dtype=torch.int64, device=next_tokens.device),
-                            next_tokens=next_tokens)
+    if num_drafts == 0 and (rule is VerificationRule.TOKEN or all(p.is_greedy for p in batch.sampling)):
+        return _decode_steps(batch, draws)
     device = batch.target_logits.device
     draft_lens = batch.draft_lens.to(device, non_blocking=True)  # [num_requests]
     request_ids = torch.arange(num_requests, device=device)
@@ -289,6 +285,26 @@ def verify(batch: VerifyBatch, draws: RandomDraws,
         next_tokens[which] = sample_from_probs(next_dist, draws.sample_uniform.to(device)[which])
     return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens,
                         drafts_invalid=drafts_invalid)
+
+
+def _decode_steps(batch: VerifyBatch, draws: RandomDraws) -> VerifyResult:
+    """`verify` of a round without drafts (target-only decoding, or no draft admitted), as its
+    general path computes it without the draft bookkeeping (~25 operators): one logits row per
+    request, a greedy request's next token its row's argmax, a sampled request's drawn from its
+    row's distribution with its next-token uniform; nothing accepted."""
+    logits = batch.target_logits  # [R, V]
+    device = logits.device
+    is_greedy = [p.is_greedy for p in batch.sampling]  # [R] host
+    next_tokens = (argmax_first(logits, dim=1) if any(is_greedy)
+                   else torch.zeros(batch.num_requests, dtype=torch.int64, device=device))  # [R]
+    sampled_ids = [r for r, g in enumerate(is_greedy) if not g]
+    if sampled_ids:
+        which = _host_index(sampled_ids, device)  # [m]
+        sub = SamplingTensors.from_params(batch.sampling, device=device).select(which)
+        next_tokens[which] = sample_from_probs(probs_from_logits(logits[which], sub),
+                                               draws.sample_uniform.to(device)[which])
+    return VerifyResult(num_accepted=torch.zeros(batch.num_requests, dtype=torch.int64, device=device),
+                        next_tokens=next_tokens)
 
 
 def _check_drafts(invalid: bool) -> None:

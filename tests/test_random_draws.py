@@ -110,6 +110,27 @@ def test_gumbel_max_samples_the_distribution():
     assert chisquare(counts, expected / expected.sum() * N).pvalue > P_VALUE_OK
 
 
+def test_host_philox_gives_the_tensor_philoxs_uniforms():
+    """Up to HOST_PHILOX_MAX_KEYS keys on the host, keyed_uniforms runs Philox on Python integers;
+    its uniforms are the bits of philox4x32 as torch operators (negative seeds, positions past
+    2^32, per-key purposes), and a key's uniform is the same drawn among more keys than that."""
+    from dspark.random_draws import HOST_PHILOX_MAX_KEYS, _counters, unit_floats
+
+    g = torch.Generator().manual_seed(9)
+    n = HOST_PHILOX_MAX_KEYS + 1
+    seeds = torch.randint(-2**63, 2**63 - 1, (n,), generator=g)
+    positions = torch.randint(0, 2**40, (n,), generator=g)
+    offsets = torch.randint(0, 2**31, (n,), generator=g)
+    for purpose in (Purpose.ACCEPT, torch.randint(0, 6, (n,), generator=g)):
+        counter, key = _counters(seeds, positions, offsets, purpose)
+        reference = unit_floats(philox4x32(counter, key)[:, 0])  # [n], torch operators
+        assert torch.equal(keyed_uniforms(seeds, positions, offsets, purpose), reference)  # n keys: tensors
+        part = slice(0, HOST_PHILOX_MAX_KEYS)
+        purposes = purpose[part] if isinstance(purpose, torch.Tensor) else purpose
+        host = keyed_uniforms(seeds[part], positions[part], offsets[part], purposes)  # host integers
+        assert host.dtype == torch.float32 and torch.equal(host, reference[part])
+
+
 def test_a_rounds_draws_are_their_keys_uniforms():
     """One Philox call serves both kinds of a round: request r's accept uniforms are the keys
     (seed_r, n_r, k, ACCEPT), k = 1..l_r, and its next-token uniform (seed_r, n_r, 0, NEXT),

@@ -92,23 +92,29 @@ def test_greedy_ignores_the_random_draws():
         assert result.output_tokens(batch) == [[int(argmax[0]), int(argmax[1]), int(argmax[2])]]
 
 
-def test_greedy_decode_steps_take_each_rows_argmax_as_in_a_mixed_batch():
-    """Greedy requests without drafts (decode steps): each next token is its row's first argmax
-    (ties included), nothing accepted; the same as the general path gives them beside a sampled
-    request with drafts."""
+@pytest.mark.parametrize("rule", [VerificationRule.TOKEN, VerificationRule.BLOCK])
+def test_decode_steps_give_the_general_paths_tokens(rule):
+    """Requests without drafts (decode steps, `_decode_steps`): nothing accepted, a greedy
+    request's next token its row's first argmax (ties included), a sampled one's drawn with its
+    next-token uniform; the same tokens the general path gives them beside a sampled request
+    with drafts. Under the block rule only all-greedy rounds take this path."""
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 8, generator=g)
     logits[1, 2] = logits[1, 6] = logits[1].max() + 1.0  # a tie: the lower index wins
-    greedy = [SamplingParams(temperature=0)] * 3
-    alone = verify(VerifyBatch(torch.zeros(0, dtype=torch.int64), torch.tensor([0, 0, 0]), torch.zeros(0, 8),
-                               logits, greedy), seeded_draws(torch.tensor([0, 0, 0]), 1))
+    sampling = [SamplingParams(temperature=0), SamplingParams(temperature=0),
+                SamplingParams(temperature=0.7, top_k=5)]
+    if rule is VerificationRule.BLOCK:
+        sampling[2] = SamplingParams(temperature=0)
+    no_drafts = torch.tensor([0, 0, 0])
+    alone = verify(VerifyBatch(torch.zeros(0, dtype=torch.int64), no_drafts, torch.zeros(0, 8), logits, sampling),
+                   seeded_draws(no_drafts, 1), rule)
     assert alone.num_accepted.tolist() == [0, 0, 0]
-    assert alone.next_tokens.tolist() == [int(torch.argmax(row)) for row in logits] and alone.next_tokens[1] == 2
+    assert alone.next_tokens[:2].tolist() == [int(torch.argmax(logits[0])), 2]
     sampled_logits = torch.randn(3, 8, generator=g)  # a sampled request with 2 drafts: 3 rows
-    drafts = torch.tensor([1, 5])
-    mixed_batch = VerifyBatch(drafts, torch.tensor([0, 0, 0, 2]), torch.softmax(torch.randn(2, 8, generator=g), 1),
-                              torch.cat([logits, sampled_logits]), greedy + [SamplingParams(temperature=1.0)])
-    mixed = verify(mixed_batch, seeded_draws(mixed_batch.draft_lens, 1))
+    mixed_batch = VerifyBatch(torch.tensor([1, 5]), torch.tensor([0, 0, 0, 2]),
+                              torch.softmax(torch.randn(2, 8, generator=g), 1), torch.cat([logits, sampled_logits]),
+                              sampling + [SamplingParams(temperature=1.0)])
+    mixed = verify(mixed_batch, seeded_draws(mixed_batch.draft_lens, 1), rule)
     assert mixed.num_accepted[:3].tolist() == [0, 0, 0]
     assert torch.equal(mixed.next_tokens[:3], alone.next_tokens)
 

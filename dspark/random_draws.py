@@ -248,8 +248,7 @@ def draw_uniforms(draft_lens: torch.Tensor,
 
     `greedy`: every request of the round is greedy, so no uniform is read (a greedy draft is
     accepted iff it is the argmax, u * p_draft < p_target with p_target 0 or 1 for any u in
-    [0, 1), and the next token is the argmax): the uniforms are zeros, and Philox, about half a
-    millisecond of small operators a round on a CPU, is not run.
+    [0, 1), and the next token is the argmax): the uniforms are zeros and Philox is not run.
     """
     num_requests = draft_lens.shape[0]
     if isinstance(generators, CounterGenerator):

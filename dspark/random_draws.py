@@ -146,6 +146,13 @@ def _counters(seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tenso
     return counter, key
 
 
+HOST_PHILOX_MAX_KEYS = 64
+"""Up to this many keys on the host, `keyed_uniforms` runs Philox on Python integers
+(`_philox_first_word`: ~10 us a key) instead of as torch operators (~0.25 ms a call whatever the
+number of keys, ten rounds of small operators): a verification round draws one key per draft
+and one per request. The same words, so the same uniforms (tests/test_random_draws.py)."""
+
+
 def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor,
                    purpose: Purpose | torch.Tensor) -> torch.Tensor:
     """One uniform per key: seeds, positions, offsets [n] int64 (one device) and one purpose or
@@ -163,13 +170,6 @@ def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.
         return torch.tensor([((w >> 9) * 2 + 1) * 2.0 ** -24 for w in words], dtype=torch.float32)
     counter, key = _counters(seeds, positions, offsets, purpose)
     return unit_floats(philox4x32(counter, key)[:, 0])
-
-
-HOST_PHILOX_MAX_KEYS = 64
-"""Up to this many keys on the host, `keyed_uniforms` runs Philox on Python integers
-(`_philox_first_word`: ~10 us a key) instead of as torch operators (~0.25 ms a call whatever the
-number of keys, ten rounds of small operators): a verification round draws one key per draft
-and one per request. The same words, so the same uniforms (tests/test_random_draws.py)."""
 
 
 def _philox_first_word(seed: int, position: int, offset: int, purpose: int) -> int:

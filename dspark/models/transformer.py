@@ -547,23 +547,20 @@ class Transformer(nn.Module):
     def _block_layer_loop(self, max_rows: int | None) -> BlockLayerLoop | None:
         """The layers as a `BlockLayerLoop` when every projection has blocks, no layer has q/k
         norms and the hidden size takes the fused norm; else None (the module path)."""
-        layers = []
+        layers, packed = [], False
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if attn.q_norm is not None or any(lin.blocks is None for lin in linears):
                 return None
-            if any(lin.packed is not None and lin.blocks_max_rows != max_rows for lin in linears):
-                return None
+            # packed weights beside the blocks: passes over max_rows take them (the module path)
+            packed |= any(lin.packed is not None for lin in linears)
             layers.append(LayerWeights(
                 layer.input_layernorm.weight.detach(), attn.qkv_proj.blocks, _bias(attn.qkv_proj),
                 attn.o_proj.blocks, _bias(attn.o_proj), layer.post_attention_layernorm.weight.detach(),
                 mlp.gate_up_proj.blocks, _bias(mlp.gate_up_proj), mlp.down_proj.blocks, _bias(mlp.down_proj)))
         if self.config.hidden_size < fused_norm.MIN_FEATURES or not layers:
             return None
-        # packed weights beside the blocks: passes over max_rows take them (the module path)
-        packed = any(lin.packed is not None for layer in self.layers for lin in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
         attn = self.layers[0].self_attn
         return BlockLayerLoop(layers, attn.num_heads, attn.head_dim, self.config.intermediate_size,
                               self.config.rms_norm_eps, attn.scale, max_rows if packed else None)

@@ -21,7 +21,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs the block, attention and norm kernels")
 
 
-
 def block_runner(folder, q4_max_rows: int | None, **config) -> TargetRunner:
     """A PAGED runner on the tiny Llama whose projections are random Q4_1 blocks (the LM head
     stays dense), the packed float32 weights beside them when `q4_max_rows` is set."""

@@ -52,6 +52,8 @@ EXEMPT = {
                        "tests/test_structured_output.py tests the masks",
     "q4_kernel_versions.py": "builds two versions of the block kernel and times them on the real "
                              "model's GGUF blocks; tests/models/test_block_linear.py tests the kernel",
+    "int4pack_mm.py": "torch's 4-bit matmul on the real model's GGUF blocks against the block kernel; "
+                      "tests/models/test_int4pack_mapping.py tests its mapping of the blocks",
     "q4_linear.py": "times the block kernel on the real model's GGUF layer shapes; "
                     "tests/models/test_block_linear.py tests the kernel",
     "q4_step_rows.py": "times a step's products on the real model's GGUF blocks and their packed float32 "

@@ -113,8 +113,9 @@ def main() -> int:
             p16, sz16 = int4pack_operands(w, torch.bfloat16)
             x64 = torch.randn(64, w.in_features)
             exact = x64.double() @ dequantize(w).double().T
-            products = {"block": lambda x: block_linear(x, w), "int4pack_f32": lambda x: int4pack_linear(x, p32, sz32),
-                     "int4pack_bf16": lambda x: int4pack_linear(x.bfloat16(), p16, sz16)}
+            products = {"block": lambda x: block_linear(x, w),
+                        "int4pack_f32": lambda x: int4pack_linear(x, p32, sz32),
+                        "int4pack_bf16": lambda x: int4pack_linear(x.bfloat16(), p16, sz16)}
             scale = exact.abs().max().item()
             error = {k: round((fn(x64).double() - exact).abs().max().item() / scale, 9) for k, fn in products.items()}
             invariant = {k: batch_invariant(fn, x64) for k, fn in products.items()}

@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from q4_linear import per_call_us  # noqa: E402
+from q4_linear import median_us_in_turns  # noqa: E402
 
 from dspark.cpu_info import cpu_description, cpu_line  # noqa: E402
 from dspark.fetch import ensure_gguf  # noqa: E402
@@ -124,14 +123,9 @@ def main() -> int:
                 xb = x.bfloat16()
                 fns = {"block": lambda: block_linear(x, w), "int4pack_f32": lambda: int4pack_linear(x, p32, sz32),
                        "int4pack_bf16": lambda: int4pack_linear(xb, p16, sz16)}
-                for fn in fns.values():
-                    fn()
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(args.repeats):
-                    for k, fn in fns.items():
-                        times[k].append(per_call_us(fn, args.iters))
+                us = median_us_in_turns(fns, args.iters, args.repeats)
                 row = {"layer": label, "out": w.out_features, "in": w.in_features, "rows": rows,
-                       **{f"{k}_us": round(statistics.median(v), 1) for k, v in times.items()},
+                       **{f"{k}_us": round(v, 1) for k, v in us.items()},
                        "max_error_over_max_output": error, "row_alone_in_8_in_64_same_bits": invariant}
                 results.append(row)
                 print(json.dumps(row), flush=True)

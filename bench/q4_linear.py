@@ -35,6 +35,18 @@ def per_call_us(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
+def median_us_in_turns(fns: dict, iters: int, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each of `fns` (each called once first), the functions
+    taking turns `repeats` times, `iters` calls a turn, so that all see the same contention."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            times[k].append(per_call_us(fn, iters))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -60,15 +72,10 @@ def main() -> int:
                 x = torch.randn(rows, w.in_features)
                 fns = {"block": lambda: block_linear(x, w), "packed_f32": lambda: packed_linear(x, packed, None),
                        "F.linear_f32": lambda: F.linear(x, dense)}
-                for fn in fns.values():
-                    fn()
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(args.repeats):
-                    for k, fn in fns.items():
-                        times[k].append(per_call_us(fn, args.iters))
+                us = median_us_in_turns(fns, args.iters, args.repeats)
                 row = {"layer": label, "format": w.format.name, "out": w.out_features, "in": w.in_features,
                        "rows": rows, "block_bytes": w.blocks.numel(), "f32_bytes": dense.numel() * 4,
-                       **{f"{k}_us": round(statistics.median(v), 1) for k, v in times.items()}}
+                       **{f"{k}_us": round(v, 1) for k, v in us.items()}}
                 row["packed_over_block"] = round(row["packed_f32_us"] / row["block_us"], 2)
                 results.append(row)
                 print(json.dumps(row), flush=True)

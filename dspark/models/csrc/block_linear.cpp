@@ -443,15 +443,17 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
 // the accumulators to the stack every block, and a layer's one-row product took ~5% longer).
 // Up to DIRECT_ROWS rows skip the strip (its stores and reloads cost more than a few rows' FMAs
 // save): DIRECT_OUTS outputs' blocks are widened in registers and used for every row. AVX2: the
-// one-row tile's N1 = 2 outputs over 2-3 rows (2 and 3 rows took 1.28x and 1.65x longer through
-// the strip). AVX-512: `direct_tile`, 4 outputs one at a time over 2-4 rows (16 accumulators, 8
+// one-row tile's N1 = 2 outputs over 2-4 rows (2 and 3 rows took 1.28x and 1.65x longer through
+// the strip; 4 rows 1.06-1.29x, median 1.13x, on a Zen 3, though its 16 accumulators spill; 4 rows
+// as two 2-row passes took 1.2x longer than that, and 5-8 rows as passes of up to 4 gained at most
+// 1.06x, 0.96x at 8). AVX-512: `direct_tile`, 4 outputs one at a time over 2-4 rows (16 accumulators, 8
 // inputs, 2 widened weights and the widening's temporaries in the 32 zmm); the products of a step
 // took 1.37x, 1.55x and 1.2x longer through the strip at 2, 3 and 4 rows on a Zen 4, and 5-8 rows
 // (two passes of `direct_tile`) were no faster than the strip.
 #if defined(__AVX512F__)
 constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8, DIRECT_ROWS = 4, DIRECT_OUTS = 4;
 #else
-constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS = 3, DIRECT_OUTS = N1;
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS = 4, DIRECT_OUTS = N1;
 #endif
 
 // RT rows (2 .. DIRECT_ROWS) by DIRECT_OUTS outputs from n0, weights widened in registers.

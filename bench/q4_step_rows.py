@@ -6,7 +6,14 @@ their Q4_1 blocks, then the LM head on its Q8_0 blocks; 96 MB of blocks, 540 MB 
 both read their weights from memory as in a real pass), at each row count, block kernel and
 oneDNN-packed float32 taken in turns `--repeats` times; median milliseconds per step's products.
 
+Beside them, the arithmetic floor of an exact float32 step: rows x the step's multiply-adds (134.5 M
+a row for SmolLM2) at the rate a large float32 GEMM reaches on this core (`--gemm-size`, oneDNN,
+the same threads; a GEMM that large runs near the core's FMA peak). Both paths multiply in float32
+with float32 FMAs, one per weight and row, so neither can take less than that floor: at a row count
+where the packed path is already within 2x of the floor, no exact float32 kernel can be 2x faster.
+
     .venv/bin/python bench/q4_step_rows.py [--rows 1,8,16,32,64,128] [--threads 1] [--repeats 5]
+        [--gemm-size 1536]
 """
 
 from __future__ import annotations
@@ -27,17 +34,33 @@ from dspark.models.packed_linear import pack_weight, packed_linear
 from dspark.models.quantized_linear import block_linear, dequantize, kernel_isa
 
 
+def gemm_rate(size: int, repeats: int) -> float:
+    """Multiply-adds per second of a float32 [size, size] @ [size, size] product (median of
+    `repeats` after one warm-up): this core's practical float32 FMA rate at the set threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return size ** 3 / statistics.median(times)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,16,32,64,128")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gemm-size", type=int, default=1536,
+                        help="side of the square float32 GEMM whose rate sets the floor")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gguf = ensure_gguf()
     blocks = read_block_weights(gguf, ModelConfig.from_pretrained(gguf.parent))
     weights = [w for name, w in blocks.items() if name != "lm_head"] + [blocks["lm_head"]]
     packed = [pack_weight(dequantize(w)) for w in weights]  # [out, in] float32, oneDNN layout
+    macs_per_row = sum(w.in_features * w.out_features for w in weights)  # a step's multiply-adds, one row
     results = []
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
@@ -52,17 +75,26 @@ def main() -> int:
                     times[k].append(time.perf_counter() - t0)
             row = {"rows": rows, **{f"{k}_ms": round(statistics.median(v) * 1e3, 1) for k, v in times.items()}}
             row["packed_over_block"] = round(row["packed_f32_ms"] / row["block_ms"], 2)
+            rate = gemm_rate(args.gemm_size, args.repeats)  # taken between the rows' turns
+            row["gemm_gmacs"] = round(rate / 1e9, 1)
+            row["floor_ms"] = round(rows * macs_per_row / rate * 1e3, 1)
+            row["packed_over_floor"] = round(row["packed_f32_ms"] / row["floor_ms"], 2)
             results.append(row)
             print(json.dumps(row), flush=True)
     cpu = cpu_description()
     print(f"\nCPU: {cpu_line(cpu)}; kernel path {kernel_isa()}; torch threads {args.threads}; "
-          f"load average {os.getloadavg()[0]:.1f}\n")
-    print("| rows | block kernel ms | packed float32 ms | packed / block |")
-    print("|---:|---:|---:|---:|")
+          f"load average {os.getloadavg()[0]:.1f}; {macs_per_row / 1e6:.1f} M multiply-adds a row; "
+          f"floor at a {args.gemm_size}^3 float32 GEMM's rate\n")
+    print("| rows | block kernel ms | packed float32 ms | packed / block | GEMM G multiply-adds/s "
+          "| float32 floor ms | block / floor | packed / floor |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['rows']} | {r['block_ms']} | {r['packed_f32_ms']} | {r['packed_over_block']} |")
+        print(f"| {r['rows']} | {r['block_ms']} | {r['packed_f32_ms']} | {r['packed_over_block']} "
+              f"| {r['gemm_gmacs']} | {r['floor_ms']} | {r['block_ms'] / r['floor_ms']:.2f} "
+              f"| {r['packed_over_floor']} |")
     print(json.dumps({"bench": "q4_step_rows", "kernel_isa": kernel_isa(), "threads": args.threads, **cpu,
-                      "load_avg_1m": os.getloadavg()[0], "rows": results}))
+                      "load_avg_1m": os.getloadavg()[0], "macs_per_row": macs_per_row,
+                      "gemm_size": args.gemm_size, "rows": results}))
     return 0
 
 

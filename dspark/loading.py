@@ -112,7 +112,10 @@ def choose_drafter_weights(weights: DrafterWeights | str | None, runner: TargetR
     drafting round multiplies gamma = 7 rows per request through weights that mostly stay in
     the cache (26 MB in bf16). On an AVX512-BF16 EPYC, one thread, a round at one stream took
     45 ms on Q8 against 47 in float32 and 31 in bf16, at 8 streams 306 against 213 and 123
-    (`bench/draft_step.py`, paired; docs/results/q4_drafter.md)."""
+    (`bench/draft_step.py`, paired; docs/results/q4_drafter.md). On an AVX2 Zen 3 (float32 the
+    dense default there) Q8 drafts one request in 7.7 ms against 10.3 but 8 in 35.2 against 32.6,
+    and one-stream DSpark served 0.91x target-only with it against 0.98x dense
+    (docs/results/target_decode_q4.md)."""
     if weights is not None:
         weights = DrafterWeights(weights)
     problems = []

@@ -22,30 +22,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from dspark.cpu_info import cpu_description, cpu_line
-from dspark.fetch import ensure_gguf
-from dspark.models.config import ModelConfig
-from dspark.models.gguf_blocks import read_block_weights
-from dspark.models.packed_linear import pack_weight, packed_linear
-from dspark.models.quantized_linear import block_linear, dequantize, kernel_isa
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from q4_linear import median_us_in_turns  # noqa: E402
+
+from dspark.cpu_info import cpu_description, cpu_line  # noqa: E402
+from dspark.fetch import ensure_gguf  # noqa: E402
+from dspark.models.config import ModelConfig  # noqa: E402
+from dspark.models.gguf_blocks import read_block_weights  # noqa: E402
+from dspark.models.packed_linear import pack_weight, packed_linear  # noqa: E402
+from dspark.models.quantized_linear import block_linear, dequantize, kernel_isa  # noqa: E402
 
 
 def gemm_rate(size: int, repeats: int) -> float:
     """Multiply-adds per second of a float32 [size, size] @ [size, size] product (median of
     `repeats` after one warm-up): this core's practical float32 FMA rate at the set threads."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
-    return size ** 3 / statistics.median(times)
+    us = median_us_in_turns({"mm": lambda: torch.mm(a, b)}, 1, repeats)["mm"]
+    return size ** 3 / (us * 1e-6)
 
 
 def main() -> int:
@@ -68,15 +66,9 @@ def main() -> int:
             xs = {k: torch.randn(rows, k) for k in {w.in_features for w in weights}}
             steps = {"block": lambda: [block_linear(xs[w.in_features], w) for w in weights],
                      "packed_f32": lambda: [packed_linear(xs[w.in_features], p, None) for w, p in zip(weights, packed)]}
-            times: dict[str, list[float]] = {k: [] for k in steps}
-            for step in steps.values():  # warm-up: the first pass also faults in the weights' pages
-                step()
-            for _ in range(args.repeats):
-                for k, step in steps.items():
-                    t0 = time.perf_counter()
-                    step()
-                    times[k].append(time.perf_counter() - t0)
-            row = {"rows": rows, **{f"{k}_ms": round(statistics.median(v) * 1e3, 1) for k, v in times.items()}}
+            # each step once first (its first pass also faults in the weights' pages), then in turns
+            us = median_us_in_turns(steps, 1, args.repeats)
+            row = {"rows": rows, **{f"{k}_ms": round(v / 1e3, 1) for k, v in us.items()}}
             row["packed_over_block"] = round(row["packed_f32_ms"] / row["block_ms"], 2)
             rates.append(gemm_rate(args.gemm_size, args.repeats))  # taken between the row counts
             results.append(row)

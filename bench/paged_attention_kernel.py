@@ -6,7 +6,9 @@ for `--streams` requests with `--context` cached tokens each, their blocks scatt
 cache in a random order, as in a long-running server. Each row times one kernel call for
 `--new-tokens` new tokens per request (1: a decode step; 8: a verification block), and beside it
 the time to copy the same K/V bytes (a contiguous `clone` of that much cache: the memory ceiling
-of this core, measured in the same run). *kernel GB/s* is the K/V bytes the call reads over its
+of this core, measured in the same run). Alone, one layer's K/V stays in the caches from call
+to call; `--layers 30` calls 30 layers' caches in turn, as a SmolLM2 decode step does, so that
+(past the last-level cache) each layer's K/V comes from memory, as it does in a step. *kernel GB/s* is the K/V bytes the call reads over its
 time; when it nears the copy rate, a faster kernel cannot help much and only fewer bytes (bf16 KV,
 more threads, fewer layers) can. Prints a table with the CPU model and flags and ends with one
 JSON line. `--against REV` also compiles the kernel source of git revision REV and times it on
@@ -16,7 +18,7 @@ runs, on a CPU that also has AVX-512. `--against-isa-flags=...` builds the other
 flags; alone, it times this tree's source against itself built so (`=-mno-avx512bf16`: without the
 bf16 dot products). Usage:
     .venv/bin/python bench/paged_attention_kernel.py [--streams 16,128] [--context 128]
-        [--new-tokens 1,8] [--dtypes float32,bfloat16] [--threads 1] [--repeats 20]
+        [--new-tokens 1,8] [--dtypes float32,bfloat16] [--threads 1] [--repeats 20] [--layers 30]
         [--against REV] [--isa-flags=-mno-avx512f] [--against-isa-flags=-mno-avx512bf16]
 """
 
@@ -73,32 +75,44 @@ def kernel_at(revision: str, isa_flags: tuple[str, ...] = ()):
 
 
 def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, repeats: int,
-              ours, baseline=None) -> dict:
-    """ours, baseline: kernel modules (`.paged_attention(..., long_min_q_len)`)."""
+              ours, baseline=None, layers: int = 1) -> dict:
+    """ours, baseline: kernel modules (`.paged_attention(..., long_min_q_len)`). With `layers`
+    > 1, each timing calls `layers` layers' caches in turn (the same block tables) and counts
+    the time a layer: once they exceed the last-level cache, each layer's K/V comes from memory,
+    as in a decode step, where the weights stream through the caches between two reads of a
+    layer."""
     gen = torch.Generator().manual_seed(0)
     blocks_each = -(-context // BLOCK_SIZE)
     num_blocks = streams * blocks_each + 1
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    caches = [(torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
+               torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
+              for _ in range(layers)]  # (k_cache, v_cache) a layer
     order = torch.randperm(num_blocks, generator=gen)[:streams * blocks_each]
     block_tables = order.view(streams, blocks_each).contiguous()  # [R, blocks_each]
     query_start = torch.arange(streams + 1) * new_tokens  # [R + 1]
     context_lens = torch.full((streams,), context)  # [R]
     q = torch.randn(streams * new_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    args = (q, k_cache, v_cache, block_tables, query_start, context_lens, HEAD_DIM ** -0.5, 0)
-    kernel = median_seconds(lambda: ours.paged_attention(*args), repeats)
+    meta = (block_tables, query_start, context_lens, HEAD_DIM ** -0.5, 0)
+
+    def every_layer(kernel) -> None:
+        for k_cache, v_cache in caches:
+            kernel.paged_attention(q, k_cache, v_cache, *meta)
+
+    kernel = median_seconds(lambda: every_layer(ours), repeats) / layers
     old = None
     if baseline is not None:  # interleaved with a second timing of ours: load drifts hit both
-        old = median_seconds(lambda: baseline.paged_attention(*args), repeats)
-        kernel = min(kernel, median_seconds(lambda: ours.paged_attention(*args), repeats))
+        old = median_seconds(lambda: every_layer(baseline), repeats) / layers
+        kernel = min(kernel, median_seconds(lambda: every_layer(ours), repeats) / layers)
+        args = (q, *caches[0], *meta)
         torch.testing.assert_close(ours.paged_attention(*args).float(),
                                    baseline.paged_attention(*args).float(),
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    k_cache = caches[0][0]
     kv_bytes = 2 * streams * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
     # The same bytes as one contiguous tensor, copied: what this core's memory moves per second.
     flat = torch.randn(kv_bytes // k_cache.element_size(), generator=gen).to(dtype)
     copy = median_seconds(flat.clone, repeats)
-    return {"streams": streams, "context": context, "new_tokens": new_tokens,
+    return {"streams": streams, "context": context, "new_tokens": new_tokens, "layers": layers,
             "dtype": str(dtype).removeprefix("torch."), "kernel_ms": round(1000 * kernel, 3),
             "kv_mb": round(kv_bytes / 2**20, 2), "kernel_gb_s": round(kv_bytes / kernel / 1e9, 2),
             "copy_gb_s": round(kv_bytes / copy / 1e9, 2),
@@ -114,6 +128,8 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=1,
+                        help="layers' caches called in turn (30: a SmolLM2 step, K/V from memory)")
     parser.add_argument("--against", default="",
                         help="a git revision whose kernel to time beside this one (e.g. HEAD~1)")
     parser.add_argument("--isa-flags", default="",
@@ -135,12 +151,12 @@ def main() -> int:
         own_flags = args.against_isa_flags is not None
         baseline = kernel_at(args.against, tuple(args.against_isa_flags.split()) if own_flags else isa_flags)
         label = (args.against or "this tree") + (f" {args.against_isa_flags}" if own_flags else "")
-    rows = [time_case(s, args.context, n, getattr(torch, d), args.repeats, ours, baseline)
+    rows = [time_case(s, args.context, n, getattr(torch, d), args.repeats, ours, baseline, args.layers)
             for d in args.dtypes.split(",") for s in map(int, args.streams.split(","))
             for n in map(int, args.new_tokens.split(","))]
     built = f"; kernels built with {args.isa_flags}" if isa_flags else ""
     print(f"CPU: {cpu['cpu']}, flags {' '.join(cpu['flags'])}; {args.threads} thread(s); "
-          f"context {args.context} tokens a stream{built}\n")
+          f"context {args.context} tokens a stream; {args.layers} layer(s) in turn{built}\n")
     against = f" | {label} ms | speed-up" if baseline else ""
     print(f"| dtype | streams | new tokens | kernel ms (one layer) | K/V MB | kernel GB/s | "
           f"copy GB/s{against} |")

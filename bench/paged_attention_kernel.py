@@ -7,8 +7,9 @@ cache in a random order, as in a long-running server. Each row times one kernel 
 `--new-tokens` new tokens per request (1: a decode step; 8: a verification block), and beside it
 the time to copy the same K/V bytes (a contiguous `clone` of that much cache: the memory ceiling
 of this core, measured in the same run). Alone, one layer's K/V stays in the caches from call
-to call; `--layers 30` calls 30 layers' caches in turn, as a SmolLM2 decode step does, so that
-(past the last-level cache) each layer's K/V comes from memory, as it does in a step. *kernel GB/s* is the K/V bytes the call reads over its
+to call; `--layers 30` calls 30 layers' caches in turn, as a SmolLM2 decode step does, and reads a
+layer's share of a q4 step's weights (3.2 MB, untimed) before each call, so that each layer's K/V
+comes from memory, as it does in a step. *kernel GB/s* is the K/V bytes the call reads over its
 time; when it nears the copy rate, a faster kernel cannot help much and only fewer bytes (bf16 KV,
 more threads, fewer layers) can. Prints a table with the CPU model and flags and ends with one
 JSON line. `--against REV` also compiles the kernel source of git revision REV and times it on
@@ -46,6 +47,9 @@ KERNEL_SOURCE = "dspark/models/csrc/paged_attention.cpp"
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
+STEP_WEIGHT_BYTES = 96 * 2**20
+"""What a q4 SmolLM2 decode step reads of weights (the GGUF's blocks), between two reads of a layer's K/V."""
+
 
 def median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
@@ -77,10 +81,10 @@ def kernel_at(revision: str, isa_flags: tuple[str, ...] = ()):
 def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, repeats: int,
               ours, baseline=None, layers: int = 1) -> dict:
     """ours, baseline: kernel modules (`.paged_attention(..., long_min_q_len)`). With `layers`
-    > 1, each timing calls `layers` layers' caches in turn (the same block tables) and counts
-    the time a layer: once they exceed the last-level cache, each layer's K/V comes from memory,
-    as in a decode step, where the weights stream through the caches between two reads of a
-    layer."""
+    > 1, each timing calls `layers` layers' caches in turn (the same block tables), reading a
+    layer's share of a q4 step's weights (`STEP_WEIGHT_BYTES` / 30, untimed) before each call,
+    and counts the kernel's time a layer: each layer's K/V then comes from memory, as in a
+    decode step."""
     gen = torch.Generator().manual_seed(0)
     blocks_each = -(-context // BLOCK_SIZE)
     num_blocks = streams * blocks_each + 1
@@ -94,15 +98,29 @@ def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, r
     q = torch.randn(streams * new_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
     meta = (block_tables, query_start, context_lens, HEAD_DIM ** -0.5, 0)
 
-    def every_layer(kernel) -> None:
-        for k_cache, v_cache in caches:
-            kernel.paged_attention(q, k_cache, v_cache, *meta)
+    weights = ([torch.ones(STEP_WEIGHT_BYTES // 30 // 4) for _ in range(layers)] if layers > 1
+               else [])  # float32, a layer's share of the step's weight reads
 
-    kernel = median_seconds(lambda: every_layer(ours), repeats) / layers
+    def every_layer(kernel) -> float:
+        """Seconds in the kernel, over all layers."""
+        seconds = 0.0
+        for i, (k_cache, v_cache) in enumerate(caches):
+            if weights:
+                weights[i].sum()  # streams through the caches, as a layer's products do
+            start = time.perf_counter()
+            kernel.paged_attention(q, k_cache, v_cache, *meta)
+            seconds += time.perf_counter() - start
+        return seconds
+
+    def median_kernel_seconds(kernel) -> float:
+        every_layer(kernel)  # warm-up
+        return statistics.median(every_layer(kernel) for _ in range(repeats)) / layers
+
+    kernel = median_kernel_seconds(ours)
     old = None
     if baseline is not None:  # interleaved with a second timing of ours: load drifts hit both
-        old = median_seconds(lambda: every_layer(baseline), repeats) / layers
-        kernel = min(kernel, median_seconds(lambda: every_layer(ours), repeats) / layers)
+        old = median_kernel_seconds(baseline)
+        kernel = min(kernel, median_kernel_seconds(ours))
         args = (q, *caches[0], *meta)
         torch.testing.assert_close(ours.paged_attention(*args).float(),
                                    baseline.paged_attention(*args).float(),

@@ -151,7 +151,7 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
                           "1", "--top-ops", "3", *one],
         "packed_weights.py": ["--model-dir", t, "--context", "8", "--repeats", "1", *one],
         "paged_attention_kernel.py": ["--streams", "2", "--context", "20", "--new-tokens", "1,3",
-                                      "--repeats", "1", "--against", "HEAD", *one],
+                                      "--repeats", "1", "--layers", "2", "--against", "HEAD", *one],
         "verify_forward.py": ["--model-dir", t, "--eval-dir", str(p["eval"]), "--streams", "2",
                               "--new-tokens", "1,3", "--dtypes", "float32", "--repeats", "1",
                               "--against", "HEAD", *one],

@@ -125,10 +125,9 @@ def time_case(streams: int, context: int, new_tokens: int, dtype: torch.dtype, r
         torch.testing.assert_close(ours.paged_attention(*args).float(),
                                    baseline.paged_attention(*args).float(),
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
-    k_cache = caches[0][0]
-    kv_bytes = 2 * streams * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    kv_bytes = 2 * streams * context * KV_HEADS * HEAD_DIM * q.element_size()  # q: the caches' dtype
     # The same bytes as one contiguous tensor, copied: what this core's memory moves per second.
-    flat = torch.randn(kv_bytes // k_cache.element_size(), generator=gen).to(dtype)
+    flat = torch.randn(kv_bytes // q.element_size(), generator=gen).to(dtype)
     copy = median_seconds(flat.clone, repeats)
     return {"streams": streams, "context": context, "new_tokens": new_tokens, "layers": layers,
             "dtype": str(dtype).removeprefix("torch."), "kernel_ms": round(1000 * kernel, 3),

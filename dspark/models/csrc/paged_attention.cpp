@@ -236,7 +236,7 @@ struct Bf16Dot {
 // Software prefetch of the K/V cache. A decode step reads each layer's keys and values once, and
 // between two reads of a layer it streams ~96 MB of weights, so they come from memory (at 16
 // streams of ~120 positions, 2.9 MB a layer). Read a position at a time through the block table,
-// with only the hardware prefetcher, they arrived at ~6 GB/s, a third of what one core streams.
+// with only the hardware prefetcher, they arrived at ~6 GB/s, a quarter of what one core streams.
 // So the scores pass of a (request, KV head) asks for its keys kPrefetchTiles tiles ahead and
 // for the values of the tile it is on (which the values pass reads next), into L2 (locality 2;
 // into L1, locality 3, gained nothing). A task asks for its own head's bytes only: the first head

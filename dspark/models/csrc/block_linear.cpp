@@ -56,13 +56,11 @@ inline __m128 halves(const uint8_t* p) {  // [fp16 at p, fp16 at p + 2, ...] -> 
     std::memcpy(&v, p, 4);
     return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
 }
-inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
-    const __m128 dm = halves(blk);
-    const __m512 d = _mm512_broadcastss_ps(dm);
+// The 32 weights from d and m in float32 lanes (Q8_0: m unused).
+inline void widen_from(Format f, const uint8_t* blk, __m512 d, __m512 m, Vec& lo, Vec& hi) {
     if (f == Format::Q4_1) {
         // table[k] = d * k + m (k = 0..15), then each weight is table[its nibble]: vpermps reads
         // only an index's low 4 bits, so the low nibble needs no mask.
-        const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
         const __m512 table = _mm512_fmadd_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
         lo = _mm512_permutexvar_ps(q, table);
@@ -72,6 +70,31 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
         lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
         hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
     }
+}
+inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
+    const __m128 dm = halves(blk);
+    widen_from(f, blk, _mm512_broadcastss_ps(dm), _mm512_broadcastss_ps(_mm_movehdup_ps(dm)), lo, hi);
+}
+// The same widening from d (and m) already in float32 (`block_scales`), read by broadcasts from
+// memory: the one-row tile's block then takes 3 shuffle-port instructions instead of 7 (the fp16
+// conversion and the register broadcasts of d and m; an Intel core has one 512-bit shuffle port).
+// A step's one-row products took 1.14-1.24x less time on a 2-core Xeon (amx_bf16), one thread;
+// the few-row and strip tiles gained nothing from it there, and keep `widen`.
+inline void widen_scaled(Format f, const uint8_t* blk, const float* dm, Vec& lo, Vec& hi) {
+    widen_from(f, blk, _mm512_set1_ps(dm[0]), _mm512_set1_ps(dm[1]), lo, hi);
+}
+// dm[2i], dm[2i + 1] = the fp16 pair at the start of block i (`count` blocks from `first`, `bb`
+// bytes apart) in float32, exactly (F16C): Q4_1's d and m; Q8_0's d and two quants read as an fp16
+// (unused). Eight blocks a gather and one conversion.
+inline void block_scales(const uint8_t* first, int64_t bb, int64_t count, float* dm) {
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                               _mm256_set1_epi32(static_cast<int>(bb)));
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) {
+        const __m256i pairs = _mm256_i32gather_epi32(reinterpret_cast<const int*>(first + i * bb), offsets, 1);
+        _mm512_storeu_ps(dm + 2 * i, _mm512_cvtph_ps(pairs));
+    }
+    for (; i < count; ++i) _mm_storel_pi(reinterpret_cast<__m64*>(dm + 2 * i), halves(first + i * bb));
 }
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
@@ -111,6 +134,11 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
         lo.a = part(0); lo.b = part(1); hi.a = part(2); hi.b = part(3);
     }
 }
+// AVX2 and portable: each block's fp16 scales converted as it is widened (`widen`). Converting a
+// chunk's scales first (AVX-512's way, then in every tile) made a step's products 1.02-1.12x
+// slower in an AVX2 build (-mno-avx512f, on the same Xeon).
+inline void block_scales(const uint8_t*, int64_t, int64_t, float*) {}
+inline void widen_scaled(Format f, const uint8_t* blk, const float*, Vec& lo, Vec& hi) { widen(f, blk, lo, hi); }
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
@@ -140,6 +168,8 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
         }
     }
 }
+inline void block_scales(const uint8_t*, int64_t, int64_t, float*) {}
+inline void widen_scaled(Format f, const uint8_t* blk, const float*, Vec& lo, Vec& hi) { widen(f, blk, lo, hi); }
 inline Vec zero() { Vec z; for (float& v : z.v) v = 0.0f; return z; }
 inline Vec load(const float* p) { Vec z; std::memcpy(z.v, p, sizeof z.v); return z; }
 inline void store(float* p, Vec v) { std::memcpy(p, v.v, sizeof v.v); }
@@ -176,6 +206,11 @@ const char* isa_name() {
 // 1.4-1.55x longer without it on a loaded AVX2 Zen 3). Prefetches change no arithmetic and never
 // fault.
 constexpr int64_t PREFETCH_ROWS = 16;
+
+// The one-row tile widens blocks SCALE_CHUNK at a time: first each output's d (and m) of the
+// chunk's blocks in float32 (`block_scales`, into a stack array), then the chunk's blocks from them
+// (`widen_scaled`). The same float32 values as `widen`'s, so the same bits.
+constexpr int64_t SCALE_CHUNK = 16;
 
 // The cache lines of `span` bytes from p, the ones before `end` (the weights' end) only.
 inline void prefetch_span(const uint8_t* p, int64_t span, const uint8_t* end) {
@@ -310,6 +345,34 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
         }
     }
     store_tile<NT, RT>(acc, r0, n0, bias, y, out);
+}
+
+// One row by NT outputs, as `tile<F, NT, 1>`, with each chunk's scales converted first
+// (`block_scales`, `widen_scaled`): the same values, so the same bits.
+template <Format F, int NT>
+inline void one_row_tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                         int64_t n0, const float* bias, float* y, int64_t out) {
+    constexpr int64_t bb = block_bytes(F);
+    const int64_t nb = in / QK;
+    const uint8_t* ahead = w + (n0 + PREFETCH_ROWS) * row_bytes;
+    const uint8_t* end = w + out * row_bytes;
+    Vec acc[1][NT];
+    zero_tile<NT, 1>(acc);
+    float dm[NT][2 * SCALE_CHUNK];
+    for (int64_t c0 = 0; c0 < nb; c0 += SCALE_CHUNK) {
+        const int64_t c1 = std::min(nb, c0 + SCALE_CHUNK);
+        for (int n = 0; n < NT; ++n) block_scales(w + (n0 + n) * row_bytes + c0 * bb, bb, c1 - c0, dm[n]);
+        for (int64_t b = c0; b < c1; ++b) {
+            prefetch_span(ahead + b * NT * bb, NT * bb, end);
+            const Vec xlo = load(x + b * QK), xhi = load(x + b * QK + 16);
+            for (int n = 0; n < NT; ++n) {
+                Vec wlo, whi;
+                widen_scaled(F, w + (n0 + n) * row_bytes + b * bb, dm[n] + 2 * (b - c0), wlo, whi);
+                acc[0][n] = fma(xhi, whi, fma(xlo, wlo, acc[0][n]));
+            }
+        }
+    }
+    store_tile<NT, 1>(acc, 0, n0, bias, y, out);
 }
 
 // A few rows without the strip: NT outputs by RT rows, each output's block widened in registers and
@@ -478,7 +541,7 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t n0 = t * N1;
                 if (n0 + N1 <= out) {
-                    tile<F, N1, 1>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
+                    one_row_tile<F, N1>(xp, in, wp, row_bytes, n0, bp, yp, out);
                 } else {
                     for (int64_t n = n0; n < out; ++n) tile<F, 1, 1>(xp, in, wp, row_bytes, n, 0, bp, yp, out);
                 }

@@ -11,7 +11,10 @@
 #
 # Environment: LLAMA_CPP_HOME (default ~/.cache/dspark/llama.cpp), LLAMA_CPP_VERSION (default 11434),
 # GGUF (default: the SmolLM2 Q4_1 file next to the prepared model, see dspark fetch-model), CPU,
-# THREADS, PYTHON (default python), NEW_TOKENS (64), PROMPT_TOKENS (128).
+# THREADS, PYTHON (default python), NEW_TOKENS (64), PROMPT_TOKENS (128), LLAMA_BENCH_ARGS (more
+# llama-bench flags, default none). On an AMX Xeon (amx_bf16 / amx_int8 in lscpu) llama.cpp 11434 puts
+# the weights in its AMX buffer type and llama-bench crashes there (SIGSEGV in ggml_backend_amx_mul_mat,
+# seen on a 2-core Xeon VM): LLAMA_BENCH_ARGS="--repack 0" keeps them on the CPU's AVX-512 path.
 set -euo pipefail
 
 HOME_DIR=${LLAMA_CPP_HOME:-$HOME/.cache/dspark/llama.cpp}
@@ -51,7 +54,7 @@ run() {
     echo "gguf: $gguf"
     for turn in $(seq 1 "$turns"); do
         echo "== turn $turn: llama.cpp"
-        taskset -c "$CPU" "$BENCH_BIN" -m "$gguf" -t "$THREADS" -p "$PROMPT_TOKENS" -n "$NEW_TOKENS" -r 3 -o md
+        taskset -c "$CPU" "$BENCH_BIN" -m "$gguf" -t "$THREADS" -p "$PROMPT_TOKENS" -n "$NEW_TOKENS" -r 3 -o md ${LLAMA_BENCH_ARGS:-}
         for weights in q4 float32; do
             echo "== turn $turn: ours, --weights $weights"
             taskset -c "$CPU" "$PYTHON" bench/target_decode.py --weights "$weights" --streams 1 \

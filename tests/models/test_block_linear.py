@@ -108,3 +108,24 @@ def test_isa_paths_bit_identical():
             outs = {k: getattr(e, f"{fmt.name.lower()}_linear")(x, w.blocks, bias) for k, e in exts.items()}
             assert torch.equal(outs["native"], outs["avx2"]), (fmt, rows)
             assert torch.equal(outs["native"], outs["portable"]), (fmt, rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(" avx512f" not in _cpu_flags(), reason="needs an AVX-512 CPU")
+def test_one_row_paths_bit_identical():
+    """One row through `one_row_tile` (a chunk's fp16 scales converted first: the Intel default)
+    and through `tile` (each block's scales as it is widened: the AMD default) gives the same bits,
+    with inputs of part of one scale chunk, one chunk and a remainder, three, and four and one
+    block (in = 64, 576, 1536, 2080), and a partial tile of outputs (42)."""
+    builds = {"first": ("-DDSPARK_ONE_ROW_SCALES_FIRST=1",), "per_block": ("-DDSPARK_ONE_ROW_SCALES_FIRST=0",)}
+    exts = {k: build_kernel(_kernel_name(flags), flags) for k, flags in builds.items()}
+    bias = torch.randn(42)
+    for in_features in (64, 576, 1536, 2080):
+        x = torch.randn(1, in_features)
+        for fmt in BlockFormat:
+            w = random_blocks(fmt, 42, in_features, seed=4)
+            linear = f"{fmt.name.lower()}_linear"
+            first, per_block = (getattr(exts[k], linear)(x, w.blocks, bias) for k in ("first", "per_block"))
+            assert torch.equal(first, per_block), (fmt, in_features)
+            reference = x.double() @ dequantize(w).double().T + bias.double()
+            torch.testing.assert_close(first.double(), reference, rtol=1e-5, atol=1e-4)

@@ -347,6 +347,24 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
     store_tile<NT, RT>(acc, r0, n0, bias, y, out);
 }
 
+// Whether one-row products take `one_row_tile`: on Intel CPUs with AVX-512. On a Zen 4, one-row
+// products widened from scales converted ahead of each tile ran at 0.89x the speed of `tile`'s
+// (docs/results/q4_kernel.md); on the AVX2 path `widen_scaled` is `widen`. Both give the same
+// bits; -DDSPARK_ONE_ROW_SCALES_FIRST=0 or 1 fixes the choice at build time (the tests do).
+inline bool one_row_scales_first() {
+#if defined(DSPARK_ONE_ROW_SCALES_FIRST)
+    return DSPARK_ONE_ROW_SCALES_FIRST;
+#elif defined(__AVX512F__)
+    static const bool intel = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_is("intel") != 0;
+    }();
+    return intel;
+#else
+    return false;
+#endif
+}
+
 // One row by NT outputs, as `tile<F, NT, 1>`, with each chunk's scales converted first
 // (`block_scales`, `widen_scaled`): the same values, so the same bits.
 template <Format F, int NT>
@@ -537,11 +555,14 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
               const float* bp, float* yp) {
     if (rows == 1) {  // one row: N1 outputs' blocks widened in registers, nothing stored
         const int64_t tiles = (out + N1 - 1) / N1;
+        const bool scales_first = one_row_scales_first();
         at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t n0 = t * N1;
-                if (n0 + N1 <= out) {
+                if (n0 + N1 <= out && scales_first) {
                     one_row_tile<F, N1>(xp, in, wp, row_bytes, n0, bp, yp, out);
+                } else if (n0 + N1 <= out) {
+                    tile<F, N1, 1>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
                 } else {
                     for (int64_t n = n0; n < out; ++n) tile<F, 1, 1>(xp, in, wp, row_bytes, n, 0, bp, yp, out);
                 }

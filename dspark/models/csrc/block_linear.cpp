@@ -78,7 +78,7 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
 // The same widening from d (and m) already in float32 (`block_scales`), read by broadcasts from
 // memory: the one-row tile's block then takes 3 shuffle-port instructions instead of 7 (the fp16
 // conversion and the register broadcasts of d and m; an Intel core has one 512-bit shuffle port).
-// A step's one-row products took 1.14-1.24x less time on a 2-core Xeon (amx_bf16), one thread;
+// A step's one-row products ran 1.08-1.24x faster on a 2-core Xeon (amx_bf16), one thread;
 // the few-row and strip tiles gained nothing from it there, and keep `widen`.
 inline void widen_scaled(Format f, const uint8_t* blk, const float* dm, Vec& lo, Vec& hi) {
     widen_from(f, blk, _mm512_set1_ps(dm[0]), _mm512_set1_ps(dm[1]), lo, hi);
@@ -134,11 +134,6 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
         lo.a = part(0); lo.b = part(1); hi.a = part(2); hi.b = part(3);
     }
 }
-// AVX2 and portable: each block's fp16 scales converted as it is widened (`widen`). Converting a
-// chunk's scales first (AVX-512's way, then in every tile) made a step's products 1.02-1.12x
-// slower in an AVX2 build (-mno-avx512f, on the same Xeon).
-inline void block_scales(const uint8_t*, int64_t, int64_t, float*) {}
-inline void widen_scaled(Format f, const uint8_t* blk, const float*, Vec& lo, Vec& hi) { widen(f, blk, lo, hi); }
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
@@ -168,8 +163,6 @@ inline void widen(Format f, const uint8_t* blk, Vec& lo, Vec& hi) {
         }
     }
 }
-inline void block_scales(const uint8_t*, int64_t, int64_t, float*) {}
-inline void widen_scaled(Format f, const uint8_t* blk, const float*, Vec& lo, Vec& hi) { widen(f, blk, lo, hi); }
 inline Vec zero() { Vec z; for (float& v : z.v) v = 0.0f; return z; }
 inline Vec load(const float* p) { Vec z; std::memcpy(z.v, p, sizeof z.v); return z; }
 inline void store(float* p, Vec v) { std::memcpy(p, v.v, sizeof v.v); }
@@ -187,6 +180,14 @@ inline float finish(Vec acc) {
     for (int i = 0; i < 2; ++i) s[i] = s[i] + s[i + 2];
     return s[0] + s[1];
 }
+#endif
+
+#if !defined(__AVX512F__)
+// AVX2 and portable: each block's fp16 scales converted as it is widened (`widen`). Converting a
+// chunk's scales first (AVX-512's way, then in every tile) made a step's products 1.02-1.12x
+// slower in an AVX2 build (-mno-avx512f, on the same Xeon).
+inline void block_scales(const uint8_t*, int64_t, int64_t, float*) {}
+inline void widen_scaled(Format f, const uint8_t* blk, const float*, Vec& lo, Vec& hi) { widen(f, blk, lo, hi); }
 #endif
 
 const char* isa_name() {
@@ -559,12 +560,12 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
         at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t n0 = t * N1;
-                if (n0 + N1 <= out && scales_first) {
-                    one_row_tile<F, N1>(xp, in, wp, row_bytes, n0, bp, yp, out);
-                } else if (n0 + N1 <= out) {
-                    tile<F, N1, 1>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
-                } else {
+                if (n0 + N1 > out) {
                     for (int64_t n = n0; n < out; ++n) tile<F, 1, 1>(xp, in, wp, row_bytes, n, 0, bp, yp, out);
+                } else if (scales_first) {
+                    one_row_tile<F, N1>(xp, in, wp, row_bytes, n0, bp, yp, out);
+                } else {
+                    tile<F, N1, 1>(xp, in, wp, row_bytes, n0, 0, bp, yp, out);
                 }
             }
         });

@@ -76,6 +76,20 @@ def test_batch_invariant(fmt):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("fmt", list(BlockFormat))
+@pytest.mark.parametrize("in_features", [1536, 2080])
+def test_batch_invariant_long_rows(fmt, in_features):
+    """Rows longer than a span of the AVX2 strip (1536 = 2 spans of 24 blocks; 2080 = 65 blocks, 3
+    uneven spans): row i's bits are the same alone and in any batch."""
+    w = random_blocks(fmt, 22, in_features, seed=5)
+    x = torch.randn(40, in_features)
+    batch = block_linear(x, w)
+    for rows in (5, 8, 11, 33):
+        assert torch.equal(block_linear(x[:rows], w), batch[:rows]), rows
+    for i in (0, 9, 39):
+        assert torch.equal(block_linear(x[i:i + 1], w), batch[i:i + 1]), i
+
+
 def test_not_a_float32_gemm_copy():
     """The test above can fail: torch's own float32 product of the same weights is not
     batch-invariant in general, and the kernel's bits differ from it (another order)."""
@@ -101,13 +115,16 @@ def test_isa_paths_bit_identical():
     exts = {k: build_kernel(_kernel_name(flags), flags) for k, flags in builds.items()}
     assert exts["avx2"].isa() == "avx2" and exts["portable"].isa() == "portable"
     bias = torch.randn(42)  # 42 outputs: whole tiles and a partial one on every path
-    for rows in (1, 2, 3, 4, 11):  # the one-row kernel, the few-row tiles, the strip tiles with remainders
-        x = torch.randn(rows, 576)
-        for fmt in BlockFormat:
-            w = random_blocks(fmt, 42, 576, seed=3)
-            outs = {k: getattr(e, f"{fmt.name.lower()}_linear")(x, w.blocks, bias) for k, e in exts.items()}
-            assert torch.equal(outs["native"], outs["avx2"]), (fmt, rows)
-            assert torch.equal(outs["native"], outs["portable"]), (fmt, rows)
+    # the one-row kernel, the few-row tiles, the strip tiles with remainders; rows of one span and
+    # of several (AVX2 `strip_rows`: 1536 and 2080 inputs)
+    for in_features, row_counts in ((576, (1, 2, 3, 4, 11)), (1536, (1, 11)), (2080, (7, 33))):
+        for rows in row_counts:
+            x = torch.randn(rows, in_features)
+            for fmt in BlockFormat:
+                w = random_blocks(fmt, 42, in_features, seed=3)
+                outs = {k: getattr(e, f"{fmt.name.lower()}_linear")(x, w.blocks, bias) for k, e in exts.items()}
+                assert torch.equal(outs["native"], outs["avx2"]), (fmt, in_features, rows)
+                assert torch.equal(outs["native"], outs["portable"]), (fmt, in_features, rows)
 
 
 @pytest.mark.slow

@@ -426,6 +426,35 @@ inline void direct_tile(const float* x, int64_t in, const uint8_t* w, int64_t ro
     store_tile_each<NT, RT>(acc, r0, n0, bias, y, out);
 }
 
+// Outputs per tile (the strip: OUT_TILE x in float32, 24 KB at in = 1536, inside a 32 KB L1),
+// and for several rows the register tile of STRIP_ROWS rows by STRIP_OUTS outputs (AVX-512: 16
+// accumulators + 8 weights + 2 inputs of the 32 zmm; AVX2: 8 accumulators + 4 weights + 2 inputs
+// of the 16 ymm, one half of the lanes at a time); remainder rows run as tiles of 2, then 1. N1
+// outputs widened together for one row (AVX2: 2, whose 4 accumulators and widening temporaries fit the 16 ymm; at 4 GCC spills
+// the accumulators to the stack every block, and a layer's one-row product took ~5% longer).
+// Up to DIRECT_ROWS rows skip the strip (its stores and reloads cost more than a few rows' FMAs
+// save): DIRECT_OUTS outputs' blocks are widened in registers and used for every row. AVX2: the
+// one-row tile's N1 = 2 outputs over 2-4 rows (2 and 3 rows took 1.28x and 1.65x longer through
+// the strip; 4 rows 1.06-1.29x, median 1.13x, on a Zen 3, though its 16 accumulators spill; 4 rows
+// as two 2-row passes took 1.2x longer than that, and 5-8 rows as passes of up to 4 gained at most
+// 1.06x, 0.96x at 8). AVX-512: `direct_tile`, 4 outputs one at a time over 2-4 rows (16 accumulators, 8
+// inputs, 2 widened weights and the widening's temporaries in the 32 zmm); the products of a step
+// took 1.37x, 1.55x and 1.2x longer through the strip at 2, 3 and 4 rows on a Zen 4, and 5-8 rows
+// (two passes of `direct_tile`) were no faster than the strip.
+#if defined(__AVX512F__)
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8, DIRECT_ROWS = 4, DIRECT_OUTS = 4;
+#else
+constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS = 4, DIRECT_OUTS = N1;
+#endif
+
+// AVX2: rows longer than SPAN_BLOCKS blocks run their strip passes a span of at most SPAN_BLOCKS
+// blocks at a time (`strip_rows`). A 4-row x 2-output pass over a whole 1536-input row reads 36 KB
+// (inputs and strip), more than a 32 KB L1, once for each half of the lanes, and the down
+// projection's 16-row product ran at 0.7 of the other products' rate on a Zen 3; a span's pass
+// reads 18 KB. Rows of up to SPAN_BLOCKS blocks (576 inputs: 18) keep one pass with the
+// accumulators in registers: carried through memory they took 5-10% longer there.
+constexpr int64_t SPAN_BLOCKS = 24;
+
 // Several rows: the tile's weights widened once into `strip` ([outputs][in] float32, the same
 // values `widen` gives), then NT outputs by RT rows read them from there: the same fused
 // multiply-adds in the same order as `tile`, the widening paid once per ROW_CHUNK rows. Per block
@@ -456,37 +485,88 @@ inline void widen_strip(const uint8_t* w, int64_t row_bytes, int64_t out, int64_
 // accumulators, 4 weights and 2 inputs held in registers (`pin_half`): 12 loads per 16 FMAs.
 inline void pin_half(__m256& v) { asm volatile("" : "+x"(v)); }
 
+// Blocks b0 .. b1 of lanes 8g .. 8g + 7 of an RT-row x NT-output tile into its accumulators `a`.
+template <int NT, int RT>
+inline void strip_half(const float* x, int64_t in, const float* strip, int n_off, int64_t r0, int64_t b0, int64_t b1,
+                       int g, __m256 (&a)[RT][NT]) {
+    for (int64_t b = b0; b < b1; ++b) {
+        __m256 wlo[NT], whi[NT];
+        for (int n = 0; n < NT; ++n) {
+            const float* wn = strip + (n_off + n) * in + b * QK + 8 * g;
+            wlo[n] = _mm256_loadu_ps(wn);
+            whi[n] = _mm256_loadu_ps(wn + 16);
+            pin_half(wlo[n]);
+            pin_half(whi[n]);
+        }
+        for (int r = 0; r < RT; ++r) {
+            const float* xr = x + (r0 + r) * in + b * QK + 8 * g;
+            __m256 xlo = _mm256_loadu_ps(xr), xhi = _mm256_loadu_ps(xr + 16);
+            pin_half(xlo);
+            pin_half(xhi);
+            for (int n = 0; n < NT; ++n)
+                a[r][n] = _mm256_fmadd_ps(xhi, whi[n], _mm256_fmadd_ps(xlo, wlo[n], a[r][n]));
+        }
+    }
+}
+
+// The whole tile, accumulators in registers, results stored.
 template <int NT, int RT>
 inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n0, int n_off, int64_t r0,
                        const float* bias, float* y, int64_t out) {
-    const int64_t nb = in / QK;
     Vec acc[RT][NT];
-    for (int g = 0; g < 2; ++g) {  // lanes 8g .. 8g + 7 of each 16
+    for (int g = 0; g < 2; ++g) {
         __m256 a[RT][NT];
         for (int r = 0; r < RT; ++r)
             for (int n = 0; n < NT; ++n) a[r][n] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            __m256 wlo[NT], whi[NT];
-            for (int n = 0; n < NT; ++n) {
-                const float* wn = strip + (n_off + n) * in + b * QK + 8 * g;
-                wlo[n] = _mm256_loadu_ps(wn);
-                whi[n] = _mm256_loadu_ps(wn + 16);
-                pin_half(wlo[n]);
-                pin_half(whi[n]);
-            }
-            for (int r = 0; r < RT; ++r) {
-                const float* xr = x + (r0 + r) * in + b * QK + 8 * g;
-                __m256 xlo = _mm256_loadu_ps(xr), xhi = _mm256_loadu_ps(xr + 16);
-                pin_half(xlo);
-                pin_half(xhi);
-                for (int n = 0; n < NT; ++n)
-                    a[r][n] = _mm256_fmadd_ps(xhi, whi[n], _mm256_fmadd_ps(xlo, wlo[n], a[r][n]));
-            }
-        }
+        strip_half<NT, RT>(x, in, strip, n_off, r0, 0, in / QK, g, a);
         for (int r = 0; r < RT; ++r)
             for (int n = 0; n < NT; ++n) (g == 0 ? acc[r][n].a : acc[r][n].b) = a[r][n];
     }
     store_tile<NT, RT>(acc, r0, n0 + n_off, bias, y, out);
+}
+
+// Blocks b0 .. b1 of the tile, its accumulators carried in acc[r * OUT_TILE + n_off + n].
+template <int NT, int RT>
+inline void strip_span(const float* x, int64_t in, const float* strip, int n_off, int64_t r0, int64_t b0, int64_t b1,
+                       Vec* acc) {
+    for (int g = 0; g < 2; ++g) {
+        __m256 a[RT][NT];
+        for (int r = 0; r < RT; ++r)
+            for (int n = 0; n < NT; ++n) {
+                const Vec& v = acc[r * OUT_TILE + n_off + n];
+                a[r][n] = g == 0 ? v.a : v.b;
+            }
+        strip_half<NT, RT>(x, in, strip, n_off, r0, b0, b1, g, a);
+        for (int r = 0; r < RT; ++r)
+            for (int n = 0; n < NT; ++n) (g == 0 ? acc[r * OUT_TILE + n_off + n].a : acc[r * OUT_TILE + n_off + n].b) = a[r][n];
+    }
+}
+
+// The strip tiles of rows rc .. rend for one output tile, SPAN_BLOCKS blocks at a time: every
+// (row, output) pair's accumulator kept in `acc` between spans, so a span's inputs and weights
+// stay in L1 across both halves of the lanes and the tile's output pairs.
+inline void strip_rows(const float* x, int64_t in, const float* strip, int64_t n0, int64_t rc, int64_t rend,
+                       const float* bias, float* y, int64_t out) {
+    Vec acc[ROW_CHUNK * OUT_TILE];  // [row - rc][output - n0]
+    const int64_t nb = in / QK;
+    const int64_t spans = (nb + SPAN_BLOCKS - 1) / SPAN_BLOCKS;
+    for (int64_t i = 0; i < (rend - rc) * OUT_TILE; ++i) acc[i] = zero();
+    for (int64_t s = 0; s < spans; ++s) {
+        const int64_t b0 = nb * s / spans, b1 = nb * (s + 1) / spans;
+        int64_t r = rc;
+        for (; r + STRIP_ROWS <= rend; r += STRIP_ROWS)
+            for (int n = 0; n < OUT_TILE; n += STRIP_OUTS)
+                strip_span<STRIP_OUTS, STRIP_ROWS>(x, in, strip, n, r, b0, b1, acc + (r - rc) * OUT_TILE);
+        for (; r + 2 <= rend; r += 2)
+            for (int n = 0; n < OUT_TILE; n += STRIP_OUTS)
+                strip_span<STRIP_OUTS, 2>(x, in, strip, n, r, b0, b1, acc + (r - rc) * OUT_TILE);
+        for (; r < rend; ++r) strip_span<OUT_TILE, 1>(x, in, strip, 0, r, b0, b1, acc + (r - rc) * OUT_TILE);
+    }
+    for (int64_t r = rc; r < rend; ++r)
+        for (int n = 0; n < OUT_TILE; ++n) {
+            const float s = finish(acc[(r - rc) * OUT_TILE + n]);
+            y[r * out + n0 + n] = bias ? s + bias[n0 + n] : s;
+        }
 }
 #else
 template <int NT, int RT>
@@ -517,26 +597,6 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
 }
 #endif
 
-// Outputs per tile (the strip: OUT_TILE x in float32, 24 KB at in = 1536, inside a 32 KB L1),
-// and for several rows the register tile of STRIP_ROWS rows by STRIP_OUTS outputs (AVX-512: 16
-// accumulators + 8 weights + 2 inputs of the 32 zmm; AVX2: 8 accumulators + 4 weights + 2 inputs
-// of the 16 ymm, one half of the lanes at a time); remainder rows run as tiles of 2, then 1. N1
-// outputs widened together for one row (AVX2: 2, whose 4 accumulators and widening temporaries fit the 16 ymm; at 4 GCC spills
-// the accumulators to the stack every block, and a layer's one-row product took ~5% longer).
-// Up to DIRECT_ROWS rows skip the strip (its stores and reloads cost more than a few rows' FMAs
-// save): DIRECT_OUTS outputs' blocks are widened in registers and used for every row. AVX2: the
-// one-row tile's N1 = 2 outputs over 2-4 rows (2 and 3 rows took 1.28x and 1.65x longer through
-// the strip; 4 rows 1.06-1.29x, median 1.13x, on a Zen 3, though its 16 accumulators spill; 4 rows
-// as two 2-row passes took 1.2x longer than that, and 5-8 rows as passes of up to 4 gained at most
-// 1.06x, 0.96x at 8). AVX-512: `direct_tile`, 4 outputs one at a time over 2-4 rows (16 accumulators, 8
-// inputs, 2 widened weights and the widening's temporaries in the 32 zmm); the products of a step
-// took 1.37x, 1.55x and 1.2x longer through the strip at 2, 3 and 4 rows on a Zen 4, and 5-8 rows
-// (two passes of `direct_tile`) were no faster than the strip.
-#if defined(__AVX512F__)
-constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 4, N1 = 8, DIRECT_ROWS = 4, DIRECT_OUTS = 4;
-#else
-constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS = 4, DIRECT_OUTS = N1;
-#endif
 
 // RT rows (2 .. DIRECT_ROWS) by DIRECT_OUTS outputs from n0, weights widened in registers.
 template <Format F, int RT>
@@ -604,6 +664,12 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
                     continue;
                 }
                 widen_strip<F>(wp, row_bytes, out, n0, OUT_TILE, in, strip);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+                if (in / QK > SPAN_BLOCKS) {
+                    strip_rows(xp, in, strip, n0, rc, rend, bp, yp, out);
+                    continue;
+                }
+#endif
                 int64_t r = rc;
                 for (; r + STRIP_ROWS <= rend; r += STRIP_ROWS)
                     for (int n = 0; n < OUT_TILE; n += STRIP_OUTS)

@@ -79,7 +79,7 @@ def test_batch_invariant(fmt):
 @pytest.mark.parametrize("fmt", list(BlockFormat))
 @pytest.mark.parametrize("in_features", [1536, 2080])
 def test_batch_invariant_long_rows(fmt, in_features):
-    """Rows longer than a span of the AVX2 strip (1536 = 2 spans of 24 blocks; 2080 = 65 blocks, 3
+    """Rows longer than a span of the strip (1536 = 2 spans of 24 blocks; 2080 = 65 blocks, 3
     uneven spans): row i's bits are the same alone and in any batch."""
     w = random_blocks(fmt, 22, in_features, seed=5)
     x = torch.randn(40, in_features)
@@ -116,7 +116,7 @@ def test_isa_paths_bit_identical():
     assert exts["avx2"].isa() == "avx2" and exts["portable"].isa() == "portable"
     bias = torch.randn(42)  # 42 outputs: whole tiles and a partial one on every path
     # the one-row kernel, the few-row tiles, the strip tiles with remainders; rows of one span and
-    # of several (AVX2 `strip_rows`: 1536 and 2080 inputs)
+    # of several (`strip_rows`: 1536 and 2080 inputs)
     for in_features, row_counts in ((576, (1, 2, 3, 4, 11)), (1536, (1, 11)), (2080, (7, 33))):
         for rows in row_counts:
             x = torch.randn(rows, in_features)

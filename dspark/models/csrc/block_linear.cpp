@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -448,12 +449,22 @@ constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS 
 #endif
 
 // AVX2: rows longer than SPAN_BLOCKS blocks run their strip passes a span of at most SPAN_BLOCKS
-// blocks at a time (`strip_rows`). A 4-row x 2-output pass over a whole 1536-input row reads 36 KB
-// (inputs and strip), more than a 32 KB L1, once for each half of the lanes, and the down
-// projection's 16-row product ran at 0.7 of the other products' rate on a Zen 3; a span's pass
-// reads 18 KB. Rows of up to SPAN_BLOCKS blocks (576 inputs: 18) keep one pass with the
-// accumulators in registers: carried through memory they took 5-10% longer there.
+// blocks at a time (`strip_rows`), every (row, output) accumulator carried in memory between
+// spans, so a span's inputs and weights stay in L1 across both halves of the lanes and the tile's
+// row tiles. Over a whole 1536-input row a 4-row x 2-output pass reads 36 KB (inputs and strip),
+// more than a 32 KB L1, once for each half of the lanes, and the down projection's 16-row product
+// ran at 0.7 of the other products' rate on a Zen 3; a span's pass reads 18 KB. Rows of up to
+// SPAN_BLOCKS blocks (576 inputs: 18) keep one pass with the accumulators in registers: with every
+// product on spans a step's products ran at 0.88-1.03x the rate without, no gain for the carrying.
+// AVX-512 and portable: no spans (SPAN_BLOCKS 0). The AVX-512 4 x 4 pass over 1536 inputs reads
+// 48 KB, but with spans of 24 blocks a step's products ran at 0.89-1.0x and 0.97-1.03x the rate
+// without, at 5-64 rows, in two runs on a Zen 4 (`bench/q4_kernel_versions.py`; one pass per tile
+// there, no second half to re-read the row from L2).
+#if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int64_t SPAN_BLOCKS = 24;
+#else
+constexpr int64_t SPAN_BLOCKS = 0;
+#endif
 
 // Several rows: the tile's weights widened once into `strip` ([outputs][in] float32, the same
 // values `widen` gives), then NT outputs by RT rows read them from there: the same fused
@@ -480,7 +491,7 @@ inline void widen_strip(const uint8_t* w, int64_t row_bytes, int64_t out, int64_
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: a Vec is two ymm (lanes 0..7 and 8..15) and a 16-ymm file holds no tile of whole Vecs, so
 // the tile runs the two halves one after the other: lanes 0..7 of every (row, output) pair over
-// all blocks, then lanes 8..15. The halves never meet before `finish`, so each lane gets the same
+// the blocks, then lanes 8..15. The halves never meet before `finish`, so each lane gets the same
 // multiply-adds in the same order as `tile` (same bits); per half a 4-row x 2-output tile is 8
 // accumulators, 4 weights and 2 inputs held in registers (`pin_half`): 12 loads per 16 FMAs.
 inline void pin_half(__m256& v) { asm volatile("" : "+x"(v)); }
@@ -509,74 +520,27 @@ inline void strip_half(const float* x, int64_t in, const float* strip, int n_off
     }
 }
 
-// The whole tile, accumulators in registers, results stored.
+// Blocks b0 .. b1 of an RT-row x NT-output strip tile (outputs n_off .. of the strip, rows r0 ..)
+// into its accumulators: one half of the lanes after the other.
 template <int NT, int RT>
-inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n0, int n_off, int64_t r0,
-                       const float* bias, float* y, int64_t out) {
-    Vec acc[RT][NT];
+inline void strip_blocks(const float* x, int64_t in, const float* strip, int n_off, int64_t r0, int64_t b0, int64_t b1,
+                         Vec (&acc)[RT][NT]) {
     for (int g = 0; g < 2; ++g) {
         __m256 a[RT][NT];
         for (int r = 0; r < RT; ++r)
-            for (int n = 0; n < NT; ++n) a[r][n] = _mm256_setzero_ps();
-        strip_half<NT, RT>(x, in, strip, n_off, r0, 0, in / QK, g, a);
+            for (int n = 0; n < NT; ++n) a[r][n] = g == 0 ? acc[r][n].a : acc[r][n].b;
+        strip_half<NT, RT>(x, in, strip, n_off, r0, b0, b1, g, a);
         for (int r = 0; r < RT; ++r)
             for (int n = 0; n < NT; ++n) (g == 0 ? acc[r][n].a : acc[r][n].b) = a[r][n];
     }
-    store_tile<NT, RT>(acc, r0, n0 + n_off, bias, y, out);
-}
-
-// Blocks b0 .. b1 of the tile, its accumulators carried in acc[r * OUT_TILE + n_off + n].
-template <int NT, int RT>
-inline void strip_span(const float* x, int64_t in, const float* strip, int n_off, int64_t r0, int64_t b0, int64_t b1,
-                       Vec* acc) {
-    for (int g = 0; g < 2; ++g) {
-        __m256 a[RT][NT];
-        for (int r = 0; r < RT; ++r)
-            for (int n = 0; n < NT; ++n) {
-                const Vec& v = acc[r * OUT_TILE + n_off + n];
-                a[r][n] = g == 0 ? v.a : v.b;
-            }
-        strip_half<NT, RT>(x, in, strip, n_off, r0, b0, b1, g, a);
-        for (int r = 0; r < RT; ++r)
-            for (int n = 0; n < NT; ++n) (g == 0 ? acc[r * OUT_TILE + n_off + n].a : acc[r * OUT_TILE + n_off + n].b) = a[r][n];
-    }
-}
-
-// The strip tiles of rows rc .. rend for one output tile, SPAN_BLOCKS blocks at a time: every
-// (row, output) pair's accumulator kept in `acc` between spans, so a span's inputs and weights
-// stay in L1 across both halves of the lanes and the tile's output pairs.
-inline void strip_rows(const float* x, int64_t in, const float* strip, int64_t n0, int64_t rc, int64_t rend,
-                       const float* bias, float* y, int64_t out) {
-    Vec acc[ROW_CHUNK * OUT_TILE];  // [row - rc][output - n0]
-    const int64_t nb = in / QK;
-    const int64_t spans = (nb + SPAN_BLOCKS - 1) / SPAN_BLOCKS;
-    for (int64_t i = 0; i < (rend - rc) * OUT_TILE; ++i) acc[i] = zero();
-    for (int64_t s = 0; s < spans; ++s) {
-        const int64_t b0 = nb * s / spans, b1 = nb * (s + 1) / spans;
-        int64_t r = rc;
-        for (; r + STRIP_ROWS <= rend; r += STRIP_ROWS)
-            for (int n = 0; n < OUT_TILE; n += STRIP_OUTS)
-                strip_span<STRIP_OUTS, STRIP_ROWS>(x, in, strip, n, r, b0, b1, acc + (r - rc) * OUT_TILE);
-        for (; r + 2 <= rend; r += 2)
-            for (int n = 0; n < OUT_TILE; n += STRIP_OUTS)
-                strip_span<STRIP_OUTS, 2>(x, in, strip, n, r, b0, b1, acc + (r - rc) * OUT_TILE);
-        for (; r < rend; ++r) strip_span<OUT_TILE, 1>(x, in, strip, 0, r, b0, b1, acc + (r - rc) * OUT_TILE);
-    }
-    for (int64_t r = rc; r < rend; ++r)
-        for (int n = 0; n < OUT_TILE; ++n) {
-            const float s = finish(acc[(r - rc) * OUT_TILE + n]);
-            y[r * out + n0 + n] = bias ? s + bias[n0 + n] : s;
-        }
 }
 #else
+// Blocks b0 .. b1 of an RT-row x NT-output strip tile (outputs n_off .. of the strip, rows r0 ..)
+// into its accumulators: per block the NT outputs' weights held in registers across the RT rows.
 template <int NT, int RT>
-inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n0, int n_off, int64_t r0,
-                       const float* bias, float* y, int64_t out) {
-    const int64_t nb = in / QK;
-    Vec acc[RT][NT];
-    zero_tile<NT, RT>(acc);
-    for (int64_t b = 0; b < nb; ++b) {
-        // the NT outputs' 32 weights of block b held in registers across the RT rows
+inline void strip_blocks(const float* x, int64_t in, const float* strip, int n_off, int64_t r0, int64_t b0, int64_t b1,
+                         Vec (&acc)[RT][NT]) {
+    for (int64_t b = b0; b < b1; ++b) {
         Vec wlo[NT], whi[NT];
         for (int n = 0; n < NT; ++n) {
             const float* wn = strip + (n_off + n) * in + b * QK;
@@ -593,9 +557,72 @@ inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n
             for (int n = 0; n < NT; ++n) acc[r][n] = fma(xhi, whi[n], fma(xlo, wlo[n], acc[r][n]));
         }
     }
-    store_tile<NT, RT>(acc, r0, n0 + n_off, bias, y, out);
 }
 #endif
+
+// The whole tile over all blocks, accumulators in registers, results stored.
+template <int NT, int RT>
+inline void strip_tile(const float* x, int64_t in, const float* strip, int64_t n0, int n_off, int64_t r0,
+                       const float* bias, float* y, int64_t out) {
+    Vec acc[RT][NT];
+    zero_tile<NT, RT>(acc);
+    strip_blocks<NT, RT>(x, in, strip, n_off, r0, 0, in / QK, acc);
+    store_tile<NT, RT>(acc, r0, n0 + n_off, bias, y, out);
+}
+
+template <int V>
+using Const = std::integral_constant<int, V>;
+
+// Rows rc .. rend of one output tile as register tiles: STRIP_ROWS rows x STRIP_OUTS outputs,
+// then 2 rows, then one row by all OUT_TILE outputs; `tile_at(Const<NT>, Const<RT>, n_off, r0)`
+// runs each.
+template <class TileAt>
+inline void row_tiles(int64_t rc, int64_t rend, TileAt&& tile_at) {
+    int64_t r = rc;
+    for (; r + STRIP_ROWS <= rend; r += STRIP_ROWS)
+        for (int n = 0; n < OUT_TILE; n += STRIP_OUTS) tile_at(Const<STRIP_OUTS>{}, Const<STRIP_ROWS>{}, n, r);
+    for (; r + 2 <= rend; r += 2)
+        for (int n = 0; n < OUT_TILE; n += STRIP_OUTS) tile_at(Const<STRIP_OUTS>{}, Const<2>{}, n, r);
+    for (; r < rend; ++r) tile_at(Const<OUT_TILE>{}, Const<1>{}, 0, r);
+}
+
+// The strip tiles of rows rc .. rend for one output tile (outputs n0 .. n0 + OUT_TILE, widened in
+// `strip`): over all blocks at once, or (AVX2, long rows) SPAN_BLOCKS blocks at a time with each
+// (row, output) pair's accumulator kept in `carried` between spans.
+inline void strip_rows(const float* x, int64_t in, const float* strip, int64_t n0, int64_t rc, int64_t rend,
+                       const float* bias, float* y, int64_t out) {
+    const int64_t nb = in / QK;
+    const int64_t spans = SPAN_BLOCKS > 0 ? (nb + SPAN_BLOCKS - 1) / SPAN_BLOCKS : 1;
+    if (spans == 1) {
+        row_tiles(rc, rend, [&](auto nt, auto rt, int n_off, int64_t r) {
+        constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
+            strip_tile<NT, RT>(x, in, strip, n0, n_off, r, bias, y, out);
+        });
+        return;
+    }
+    Vec carried[ROW_CHUNK * OUT_TILE];  // [row - rc][output - n0]
+    auto carried_at = [&](int64_t r, int n) -> Vec& { return carried[(r - rc) * OUT_TILE + n]; };
+    for (int64_t i = 0; i < (rend - rc) * OUT_TILE; ++i) carried[i] = zero();
+    for (int64_t s = 0; s < spans; ++s) {
+        const int64_t b0 = nb * s / spans, b1 = nb * (s + 1) / spans;
+        row_tiles(rc, rend, [&](auto nt, auto rt, int n_off, int64_t r) {
+        constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
+            Vec acc[RT][NT];
+            for (int i = 0; i < RT; ++i)
+                for (int n = 0; n < NT; ++n) acc[i][n] = carried_at(r + i, n_off + n);
+            strip_blocks<NT, RT>(x, in, strip, n_off, r, b0, b1, acc);
+            for (int i = 0; i < RT; ++i)
+                for (int n = 0; n < NT; ++n) carried_at(r + i, n_off + n) = acc[i][n];
+        });
+    }
+    row_tiles(rc, rend, [&](auto nt, auto rt, int n_off, int64_t r) {
+        constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
+        Vec acc[RT][NT];
+        for (int i = 0; i < RT; ++i)
+            for (int n = 0; n < NT; ++n) acc[i][n] = carried_at(r + i, n_off + n);
+        store_tile<NT, RT>(acc, r, n0 + n_off, bias, y, out);
+    });
+}
 
 
 // RT rows (2 .. DIRECT_ROWS) by DIRECT_OUTS outputs from n0, weights widened in registers.
@@ -664,19 +691,7 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
                     continue;
                 }
                 widen_strip<F>(wp, row_bytes, out, n0, OUT_TILE, in, strip);
-#if defined(__AVX2__) && !defined(__AVX512F__)
-                if (in / QK > SPAN_BLOCKS) {
-                    strip_rows(xp, in, strip, n0, rc, rend, bp, yp, out);
-                    continue;
-                }
-#endif
-                int64_t r = rc;
-                for (; r + STRIP_ROWS <= rend; r += STRIP_ROWS)
-                    for (int n = 0; n < OUT_TILE; n += STRIP_OUTS)
-                        strip_tile<STRIP_OUTS, STRIP_ROWS>(xp, in, strip, n0, n, r, bp, yp, out);
-                for (; r + 2 <= rend; r += 2)
-                    for (int n = 0; n < OUT_TILE; n += STRIP_OUTS) strip_tile<STRIP_OUTS, 2>(xp, in, strip, n0, n, r, bp, yp, out);
-                for (; r < rend; ++r) strip_tile<OUT_TILE, 1>(xp, in, strip, n0, 0, r, bp, yp, out);
+                strip_rows(xp, in, strip, n0, rc, rend, bp, yp, out);
             }
         }
     });

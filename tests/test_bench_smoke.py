@@ -133,6 +133,8 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
         "eval_suite.py": ["--model-dir", t, "--checkpoints", str(p["checkpoints"]), "--methods",
                           "dspark", "--eval-dir", str(p["eval"]), "--sets", "gsm8k", "--limit",
                           "2", "--max-tokens", "16", *one],
+        "round_modes.py": ["--model-dir", t, "--drafter-dir", str(p["drafter"]), "--eval-dir", str(p["eval"]),
+                           "--limit", "1", "--max-tokens", "4", "--repeats", "1", *one],
         "target_decode.py": ["--model-dir", t, "--eval-dir", str(p["eval"]), "--new-tokens", "2",
                              "--repeats", "1", "--streams", "1", "--dtypes", "float32", *one],
         "data_generate.py": ["--model-dir", t, "--train-dir", str(p["train"]), "--prompts", "4",

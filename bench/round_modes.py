@@ -1,0 +1,151 @@
+"""Where a speculative policy's rounds go at one stream: every round tallied by what it did (its
+`RoundMode`) and how many tokens it verified, beside the same prompts decoded by the target alone.
+
+The e2e prompts (`--limit` first turns of each eval set, chat-formatted) run one after another,
+greedy, `--max-tokens` each, through the embedded engine under `--policy` (with the shipped
+drafter), then under policy `none`, `--repeats` times in turns, on one target runner (`--weights`,
+default the CPU's: q4 where the block kernel builds). The table gives, per (mode, tokens
+verified): rounds, drafts proposed / admitted / accepted, and the mean drafting, verification
+and whole-step milliseconds a round (TARGET_ONLY: policy `none`'s rounds); a drafting round that
+verified nothing (B = 1) is a probe or a round whose admission took none. Then the cost table's learned drafting time and T(B) at one
+request, and each run's wall seconds. Usage:
+
+    .venv/bin/python bench/round_modes.py [--policy async_topk] [--limit 2] [--max-tokens 96] [--repeats 2]
+        [--weights q4] [--threads 1] [--model-dir DIR] [--drafter-dir DIR] [--eval-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from dspark.cpu_info import cpu_description, cpu_line
+from dspark.paths import EVAL_PROMPTS_DIR, REPO_ROOT
+
+DATASETS = ("gsm8k", "humaneval", "mt-bench")
+
+
+def run_prompts(engine, prompts, max_tokens: int, stops, tally: dict) -> tuple[int, float]:
+    """Each prompt to completion, one after another, greedy; adds every verified round to `tally`
+    [(mode, batch_tokens)] -> counts and seconds (`step_s`: the whole step, from the step before
+    it to its result). Returns (tokens, wall seconds)."""
+    from dspark.sampling import SamplingParams
+
+    tokens, start = 0, time.perf_counter()
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(temperature=0.0), max_tokens, stops)
+        before = time.perf_counter()
+        for result in engine.steps():
+            now = time.perf_counter()
+            step_s, before = now - before, now
+            tokens += result.new_tokens
+            s = result.stats
+            if not s.verified:
+                continue
+            row = tally[(s.mode.name if s.mode is not None else "-", s.batch_tokens)]
+            row["rounds"] += 1
+            row["step_s"] += step_s
+            row["proposed"] += s.drafts_proposed
+            row["admitted"] += s.drafts_admitted
+            row["accepted"] += s.drafts_accepted
+            row["draft_s"] += s.seconds.draft
+            row["verify_s"] += s.seconds.verify
+    return tokens, time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", default="async_topk")
+    parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
+    parser.add_argument("--drafter-dir", default=str(REPO_ROOT / "checkpoints" / "dspark-markov"))
+    parser.add_argument("--eval-dir", default=str(EVAL_PROMPTS_DIR))
+    parser.add_argument("--limit", type=int, default=2, help="prompts per eval set")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--weights", default=None, help="the target's: q4, float32, bfloat16 (default: the CPU's)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from dspark.cost_table import CostTable
+    from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+    from dspark.evaluation.eval_cli import read_eval_prompts
+    from dspark.fetch import ensure_model
+    from dspark.loading import build_engine, load_method_drafter, load_target
+    from dspark.models.drafter_config import DrafterConfig
+    from dspark.sampling import SamplingParams
+    from dspark.step_timing import startup_cost_table
+    from dspark.stop_tokens import stop_token_ids
+    from dspark.training.data import encode_chat
+
+    model_dir = Path(args.model_dir) if args.model_dir else ensure_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stops = stop_token_ids(tokenizer)
+    prompts = [encode_chat(tokenizer, t) for name in DATASETS
+               for t in read_eval_prompts(Path(args.eval_dir) / f"{name}.jsonl", args.limit)]
+    drafter_dir = Path(args.drafter_dir)
+    drafter_config = DrafterConfig.load(drafter_dir)
+    layer_ids = tuple(int(i) for i in drafter_config.target_layer_ids)
+    # one request at a time (its prompt, its tokens, two blocks of drafts), and room for the
+    # start-up cost table's 4 profile requests
+    kv_tokens = max(4096, max(len(p) for p in prompts) + args.max_tokens + 2 * drafter_config.block_size + 256)
+    runner = load_target(model_dir, layer_ids, kv_cache_tokens=kv_tokens, device="cpu", dtype="float32",
+                         weights=args.weights)
+    drafter = load_method_drafter(drafter_dir, runner, apply_calibration=True)
+    table = startup_cost_table(runner, sizes=(1, 2, 4, 8, 16))
+    engines = {policy: build_engine(runner, drafter, CostTable.from_dict(table.to_dict()),
+                                    EngineConfig(AdmissionConfig(policy=policy), batching=BatchingConfig(max_running=1)))
+               for policy in (args.policy, "none")}
+    for engine in engines.values():  # warm-up: kernels built, first-call costs paid
+        engine.generate([prompts[0]], SamplingParams(temperature=0.0), 8, stops)
+
+    tally: dict = collections.defaultdict(collections.Counter)
+    walls: dict[str, list[float]] = {p: [] for p in engines}
+    tokens: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for policy, engine in engines.items():
+            n, wall = run_prompts(engine, prompts, args.max_tokens, stops, tally)
+            walls[policy].append(wall)
+            tokens[policy] = n
+
+    print(f"\nCPU: {cpu_line()}; torch threads {args.threads}; load average {os.getloadavg()[0]:.1f}; "
+          f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, one stream, {args.repeats} repeats\n")
+    print("| mode | tokens verified | rounds | proposed | admitted | accepted | draft ms a round | verify ms a round | step ms a round |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for (mode, b), row in sorted(tally.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        n = row["rounds"]
+        rows.append({"mode": mode, "batch_tokens": b, "rounds": n, "proposed": row["proposed"],
+                     "admitted": row["admitted"], "accepted": row["accepted"],
+                     "draft_ms": round(row["draft_s"] / n * 1e3, 2), "verify_ms": round(row["verify_s"] / n * 1e3, 2),
+                     "step_ms": round(row["step_s"] / n * 1e3, 2)})
+        r = rows[-1]
+        print(f"| {mode} | {b} | {n} | {r['proposed']} | {r['admitted']} | {r['accepted']} | {r['draft_ms']} | "
+              f"{r['verify_ms']} | {r['step_ms']} |")
+    learned = engines[args.policy].cost_table
+    draft_ms = round(learned.draft_time(1) * 1e3, 2)
+    steps_ms = [round(float(learned.step_time(b, 1)) * 1e3, 1) for b in range(1, 9)]
+    print(f"\nlearned at one request: drafting {draft_ms} ms a round; T(1..8) {steps_ms} ms")
+    for policy, w in walls.items():
+        print(f"{policy}: {tokens[policy]} tokens; wall s {[round(x, 2) for x in w]}; "
+              f"{tokens[policy] / statistics.median(w):.1f} tok/s (median)")
+    ratio = statistics.median(walls["none"]) / statistics.median(walls[args.policy])
+    print(f"{args.policy} / none: {ratio:.2f}x")
+    print(json.dumps({"bench": "round_modes", "policy": args.policy, "threads": args.threads, **cpu_description(),
+                      "load_avg_1m": os.getloadavg()[0], "rounds": rows, "learned_draft_ms": draft_ms,
+                      "learned_step_ms": steps_ms, "wall_s": walls, "tokens": tokens, "ratio_vs_none": round(ratio, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -595,7 +595,7 @@ inline void strip_rows(const float* x, int64_t in, const float* strip, int64_t n
     const int64_t spans = SPAN_BLOCKS > 0 ? (nb + SPAN_BLOCKS - 1) / SPAN_BLOCKS : 1;
     if (spans == 1) {
         row_tiles(rc, rend, [&](auto nt, auto rt, int n_off, int64_t r) {
-        constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
+            constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
             strip_tile<NT, RT>(x, in, strip, n0, n_off, r, bias, y, out);
         });
         return;
@@ -606,7 +606,7 @@ inline void strip_rows(const float* x, int64_t in, const float* strip, int64_t n
     for (int64_t s = 0; s < spans; ++s) {
         const int64_t b0 = nb * s / spans, b1 = nb * (s + 1) / spans;
         row_tiles(rc, rend, [&](auto nt, auto rt, int n_off, int64_t r) {
-        constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
+            constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
             Vec acc[RT][NT];
             for (int i = 0; i < RT; ++i)
                 for (int n = 0; n < NT; ++n) acc[i][n] = carried_at(r + i, n_off + n);

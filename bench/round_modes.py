@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -73,8 +74,6 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
     from dspark.cost_table import CostTable
@@ -123,7 +122,7 @@ def main() -> int:
     print("| mode | tokens verified | rounds | proposed | admitted | accepted | draft ms a round | verify ms a round | step ms a round |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
-    for (mode, b), row in sorted(tally.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (mode, b), row in sorted(tally.items(), key=lambda kv: kv[0]):
         n = row["rounds"]
         rows.append({"mode": mode, "batch_tokens": b, "rounds": n, "proposed": row["proposed"],
                      "admitted": row["admitted"], "accepted": row["accepted"],

@@ -11,13 +11,15 @@ verified nothing (B = 1) is a probe or a round whose admission took none. Then t
 request, and each run's wall seconds. Usage:
 
     .venv/bin/python bench/round_modes.py [--policy async_topk] [--limit 2] [--max-tokens 96] [--repeats 2]
-        [--weights q4] [--threads 1] [--model-dir DIR] [--drafter-dir DIR] [--eval-dir DIR]
+        [--weights q4] [--drafter-weights q8|dense] [--threads 1] [--model-dir DIR] [--drafter-dir DIR]
+        [--eval-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -60,36 +62,63 @@ def run_prompts(engine, prompts, max_tokens: int, stops, tally: dict) -> tuple[i
     return tokens, time.perf_counter() - start
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", default="async_topk")
+@dataclasses.dataclass
+class OneStream:
+    """A target runner, the drafter on it and the e2e prompts, for engines of one request at a time."""
+
+    model_dir: Path
+    prompts: list[list[int]]
+    stops: list[int]
+    runner: object
+    drafter: object
+    table: object
+    """The start-up cost table measured on the runner (each engine gets a copy)."""
+
+    def engines(self, policies: list[str]) -> dict[str, object]:
+        """One engine per policy over the runner and drafter, max_running 1, warmed up (kernels
+        built, first-call costs paid)."""
+        from dspark.cost_table import CostTable
+        from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+        from dspark.loading import build_engine
+        from dspark.sampling import SamplingParams
+
+        engines = {policy: build_engine(self.runner, self.drafter, CostTable.from_dict(self.table.to_dict()),
+                                        EngineConfig(AdmissionConfig(policy=policy),
+                                                     batching=BatchingConfig(max_running=1)))
+                   for policy in policies}
+        for engine in engines.values():
+            engine.generate([self.prompts[0]], SamplingParams(temperature=0.0), 8, self.stops)
+        return engines
+
+
+def add_one_stream_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments `one_stream` reads (this script's and bench/speculation_ceiling.py's)."""
     parser.add_argument("--model-dir", default=None, help="default: dspark fetch-model's folder")
     parser.add_argument("--drafter-dir", default=str(REPO_ROOT / "checkpoints" / "dspark-markov"))
     parser.add_argument("--eval-dir", default=str(EVAL_PROMPTS_DIR))
     parser.add_argument("--limit", type=int, default=2, help="prompts per eval set")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--weights", default=None, help="the target's: q4, float32, bfloat16 (default: the CPU's)")
+    parser.add_argument("--drafter-weights", default=None, choices=["q8", "dense"],
+                        help="the drafter's (dspark.loading.choose_drafter_weights; default dense)")
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
 
+
+def one_stream(args: argparse.Namespace, table_sizes: tuple[int, ...]) -> OneStream:
+    """The runner (`--weights`), the drafter (`--drafter-weights`), the start-up cost table at
+    `table_sizes` and the e2e prompts (`--limit` first turns of each eval set, chat-formatted)."""
     from transformers import AutoTokenizer
 
-    from dspark.cost_table import CostTable
-    from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
     from dspark.evaluation.eval_cli import read_eval_prompts
     from dspark.fetch import ensure_model
-    from dspark.loading import build_engine, load_method_drafter, load_target
+    from dspark.loading import load_method_drafter, load_target
     from dspark.models.drafter_config import DrafterConfig
-    from dspark.sampling import SamplingParams
     from dspark.step_timing import startup_cost_table
     from dspark.stop_tokens import stop_token_ids
     from dspark.training.data import encode_chat
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    stops = stop_token_ids(tokenizer)
     prompts = [encode_chat(tokenizer, t) for name in DATASETS
                for t in read_eval_prompts(Path(args.eval_dir) / f"{name}.jsonl", args.limit)]
     drafter_dir = Path(args.drafter_dir)
@@ -100,13 +129,22 @@ def main() -> int:
     kv_tokens = max(4096, max(len(p) for p in prompts) + args.max_tokens + 2 * drafter_config.block_size + 256)
     runner = load_target(model_dir, layer_ids, kv_cache_tokens=kv_tokens, device="cpu", dtype="float32",
                          weights=args.weights)
-    drafter = load_method_drafter(drafter_dir, runner, apply_calibration=True)
-    table = startup_cost_table(runner, sizes=(1, 2, 4, 8, 16))
-    engines = {policy: build_engine(runner, drafter, CostTable.from_dict(table.to_dict()),
-                                    EngineConfig(AdmissionConfig(policy=policy), batching=BatchingConfig(max_running=1)))
-               for policy in (args.policy, "none")}
-    for engine in engines.values():  # warm-up: kernels built, first-call costs paid
-        engine.generate([prompts[0]], SamplingParams(temperature=0.0), 8, stops)
+    drafter = load_method_drafter(drafter_dir, runner, apply_calibration=True, weights=args.drafter_weights)
+    return OneStream(model_dir, prompts, stop_token_ids(tokenizer), runner, drafter,
+                     startup_cost_table(runner, sizes=table_sizes))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", default="async_topk")
+    parser.add_argument("--repeats", type=int, default=2)
+    add_one_stream_arguments(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    setup = one_stream(args, table_sizes=(1, 2, 4, 8, 16))
+    prompts, stops = setup.prompts, setup.stops
+    engines = setup.engines([args.policy, "none"])
 
     tally: dict = collections.defaultdict(collections.Counter)
     walls: dict[str, list[float]] = {p: [] for p in engines}

@@ -135,6 +135,8 @@ def tiny_argv(script: str, p: dict[str, Path]) -> list[str]:
                           "2", "--max-tokens", "16", *one],
         "round_modes.py": ["--model-dir", t, "--drafter-dir", str(p["drafter"]), "--eval-dir", str(p["eval"]),
                            "--limit", "1", "--max-tokens", "4", "--repeats", "1", *one],
+        "speculation_ceiling.py": ["--model-dir", t, "--drafter-dir", str(p["probe_drafter"]), "--eval-dir",
+                                   str(p["eval"]), "--limit", "1", "--max-tokens", "12", *one],
         "target_decode.py": ["--model-dir", t, "--eval-dir", str(p["eval"]), "--new-tokens", "2",
                              "--repeats", "1", "--streams", "1", "--dtypes", "float32", *one],
         "data_generate.py": ["--model-dir", t, "--train-dir", str(p["train"]), "--prompts", "4",

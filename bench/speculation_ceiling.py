@@ -15,8 +15,8 @@ From those, over every output's anchors (those with a whole block of the output 
 - **fixed k**: every round verifies k drafts (no admission);
 - **first draft known**: a round of k drafts exactly where a(t) >= 1, a target-only step
   elsewhere (the best k): a perfect predictor of the first draft's fate, made before drafting;
-- **hindsight**: the cheapest schedule knowing a(t) before each round: a target-only step, or
-  the k whose round commits the most per millisecond from there on (dynamic programming over
+- **hindsight**: the cheapest schedule knowing a(t) before each round: at each anchor a
+  target-only step or a round of the k that makes the rest cheapest (dynamic programming over
   the anchors). No admission can beat it with this drafter on this machine: an admission
   decides before it knows a(t);
 - **hindsight, drafting free**: the same with every round's drafting time taken out;
@@ -24,7 +24,8 @@ and, for `--goal`, the tokens a round of k drafts would have to commit for that 
 the measured costs. Prints markdown tables and one JSON line. Usage:
 
     .venv/bin/python bench/speculation_ceiling.py [--limit 2] [--max-tokens 96] [--repeats 1]
-        [--goal 1.6] [--weights q4] [--drafter-weights q8|dense] [--threads 1] [--model-dir DIR] [--drafter-dir DIR] [--eval-dir DIR]
+        [--goal 1.6] [--weights q4] [--drafter-weights q8|dense] [--threads 1] [--model-dir DIR]
+        [--drafter-dir DIR] [--eval-dir DIR]
 """
 
 from __future__ import annotations

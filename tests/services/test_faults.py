@@ -76,15 +76,25 @@ def test_drafter_killed_mid_stream_then_back(launcher, shared_verifier, embedded
         assert metric(http_port, "dspark:spec_decode_drafter_available") == 0
         assert metric(http_port, "dspark:spec_decode_fallback_rounds_total") > 0
 
-        # The drafter comes back on its address: speculation resumes, output still exact.
+        # The drafter comes back on its address: speculation resumes, output still exact. The
+        # scheduler tries the drafter again when a round drafts (at most every 0.3 s here), and
+        # while it was down its fallback drafts backed the probes off (up to 64 rounds apart,
+        # DraftingGateConfig.max_probe_interval), so the first request after it may decode
+        # plainly to its end: requests until one finds it, each exact.
         drafter, _ = launcher.drafter("drafter_faulty_again", port=port)
         wait_grpc(drafter, drafter_address)
         verified_before = metric(http_port, "dspark:spec_decode_num_draft_tokens_total")
         time.sleep(0.5)  # past the scheduler's retry interval (0.3 s)
+        for _ in range(8):  # 8 x 60 tokens: past the longest probe interval
+            out = client(http_port).completions.create(model="tiny", prompt=PROMPT,
+                                                       max_tokens=MAX_TOKENS, temperature=0)
+            assert out.model_extra["dspark"]["token_ids"] == expected
+            if metric(http_port, "dspark:spec_decode_drafter_available") == 1:
+                break
+        assert metric(http_port, "dspark:spec_decode_drafter_available") == 1
         out = client(http_port).completions.create(model="tiny", prompt=PROMPT,
                                                    max_tokens=MAX_TOKENS, temperature=0)
         assert out.model_extra["dspark"]["token_ids"] == expected
-        assert metric(http_port, "dspark:spec_decode_drafter_available") == 1
         assert metric(http_port, "dspark:spec_decode_num_draft_tokens_total") > verified_before
     finally:
         scheduler.stop()

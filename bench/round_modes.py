@@ -1,7 +1,8 @@
 """Where a speculative policy's rounds go at one stream: every round tallied by what it did (its
 `RoundMode`) and how many tokens it verified, beside the same prompts decoded by the target alone.
 
-The e2e prompts (`--limit` first turns of each eval set, chat-formatted) run one after another,
+The e2e prompts (`--limit` first turns of each eval set, chat-formatted; or with `--heldout N` the
+first N held-out prompts of the drafter's answers file) run one after another,
 greedy, `--max-tokens` each, through the embedded engine under `--policy` (with the shipped
 drafter), then under policy `none`, `--repeats` times in turns, on one target runner (`--weights`,
 default the CPU's: q4 where the block kernel builds). The table gives, per (mode, tokens
@@ -10,7 +11,7 @@ and whole-step milliseconds a round (TARGET_ONLY: policy `none`'s rounds); a dra
 verified nothing (B = 1) is a probe or a round whose admission took none. Then the cost table's learned drafting time and T(B) at one
 request, and each run's wall seconds. Usage:
 
-    .venv/bin/python bench/round_modes.py [--policy async_topk] [--limit 2] [--max-tokens 96] [--repeats 2]
+    .venv/bin/python bench/round_modes.py [--policy async_topk] [--limit 2 | --heldout 12] [--max-tokens 96] [--repeats 2]
         [--weights q4] [--drafter-weights q8|dense] [--threads 1] [--model-dir DIR] [--drafter-dir DIR]
         [--eval-dir DIR]
 """
@@ -97,6 +98,10 @@ def add_one_stream_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-dir", default=str(REPO_ROOT / "checkpoints" / "dspark-markov"))
     parser.add_argument("--eval-dir", default=str(EVAL_PROMPTS_DIR))
     parser.add_argument("--limit", type=int, default=2, help="prompts per eval set")
+    parser.add_argument("--heldout", type=int, default=0,
+                        help="instead of the eval sets' prompts, the first N of the held-out split of "
+                             "--answers (prompts the drafter never trained on, from its own data)")
+    parser.add_argument("--answers", default=str(REPO_ROOT / "data" / "answers" / "greedy.jsonl.gz"))
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--weights", default=None, help="the target's: q4, float32, bfloat16 (default: the CPU's)")
     parser.add_argument("--drafter-weights", default=None, choices=["q8", "dense"],
@@ -106,7 +111,8 @@ def add_one_stream_arguments(parser: argparse.ArgumentParser) -> None:
 
 def one_stream(args: argparse.Namespace, table_sizes: tuple[int, ...]) -> OneStream:
     """The runner (`--weights`), the drafter (`--drafter-weights`), the start-up cost table at
-    `table_sizes` and the e2e prompts (`--limit` first turns of each eval set, chat-formatted)."""
+    `table_sizes` and the prompts: the e2e prompts (`--limit` first turns of each eval set,
+    chat-formatted) or `--heldout` held-out ones."""
     from transformers import AutoTokenizer
 
     from dspark.evaluation.eval_cli import read_eval_prompts
@@ -119,8 +125,12 @@ def one_stream(args: argparse.Namespace, table_sizes: tuple[int, ...]) -> OneStr
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [encode_chat(tokenizer, t) for name in DATASETS
-               for t in read_eval_prompts(Path(args.eval_dir) / f"{name}.jsonl", args.limit)]
+    if args.heldout:
+        from served_vs_teacher_forced import heldout_prompts
+        prompts = heldout_prompts(args.answers, "heldout", args.heldout)
+    else:
+        prompts = [encode_chat(tokenizer, t) for name in DATASETS
+                   for t in read_eval_prompts(Path(args.eval_dir) / f"{name}.jsonl", args.limit)]
     drafter_dir = Path(args.drafter_dir)
     drafter_config = DrafterConfig.load(drafter_dir)
     layer_ids = tuple(int(i) for i in drafter_config.target_layer_ids)

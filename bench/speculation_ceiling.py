@@ -20,11 +20,15 @@ From those, over every output's anchors (those with a whole block of the output 
   the anchors). No admission can beat it with this drafter on this machine: an admission
   decides before it knows a(t);
 - **hindsight, drafting free**: the same with every round's drafting time taken out;
+- **outcome-gated**: a gate that knows only the outcomes of past rounds (no confidences): rounds
+  of k drafts, and after a round whose first draft fails, `pause` target-only steps; the best
+  (k, pause) of a grid, chosen on the same outputs, and the drafter's catching up on the context
+  of a pause not charged, so an upper bound for gates of that kind;
 and, for `--goal`, the tokens a round of k drafts would have to commit for that speed-up at
 the measured costs. Prints markdown tables and one JSON line. Usage:
 
-    .venv/bin/python bench/speculation_ceiling.py [--limit 2] [--max-tokens 96] [--repeats 1]
-        [--goal 1.6] [--weights q4] [--drafter-weights q8|dense] [--threads 1] [--model-dir DIR]
+    .venv/bin/python bench/speculation_ceiling.py [--limit 2 | --heldout 12] [--max-tokens 96]
+        [--repeats 1] [--goal 1.6] [--weights q4] [--drafter-weights q8|dense] [--threads 1] [--model-dir DIR]
         [--drafter-dir DIR] [--eval-dir DIR]
 """
 
@@ -65,6 +69,24 @@ def first_draft_oracle_cost(accepted: list[int], k: int, round_ms: float, step_m
             ms, t = ms + round_ms, t + 1 + min(accepted[t], k)
         else:
             ms, t = ms + step_ms, t + 1
+    return ms
+
+
+PAUSES = (0, 1, 2, 4, 8, 16, 32, 64)
+"""The pauses `outcome_gated_cost` is priced at."""
+
+
+def outcome_gated_cost(accepted: list[int], k: int, pause: int, round_ms: float, step_ms: float) -> float:
+    """Milliseconds past the last anchor when every round verifies k drafts (round_ms), except
+    that after a round whose first draft fails (a(t) = 0) the next `pause` rounds are target-only
+    steps (step_ms): a gate deciding from past outcomes only (pause 0 is `fixed:k`)."""
+    t, ms = 0, 0.0
+    while t < len(accepted):
+        a = accepted[t]
+        ms, t = ms + round_ms, t + 1 + min(a, k)
+        if a == 0:
+            steps = min(pause, max(0, len(accepted) - t))
+            ms, t = ms + steps * step_ms, t + steps
     return ms
 
 
@@ -133,7 +155,7 @@ def main() -> int:
     anchors_n = len(flat)
 
     print(f"\nCPU: {cpu_line()}; torch {torch.__version__}, {args.threads} threads; load average "
-          f"{os.getloadavg()[0]:.1f}; {len(prompts)} prompts x {args.max_tokens} tokens, greedy, one stream, "
+          f"{os.getloadavg()[0]:.1f}; {len(prompts)} {'held-out' if args.heldout else 'e2e'} prompts x {args.max_tokens} tokens, greedy, one stream, "
           f"{args.repeats} repeats; {anchors_n} anchors\n")
     print("| tokens verified | round ms | of which drafting | / target-only step |")
     print("|---:|---:|---:|---:|")
@@ -157,6 +179,11 @@ def main() -> int:
         if oracle:
             k = min(oracle, key=oracle.get)
             schedules.append((f"first draft known, fixed:{k}", oracle[k]))
+        gated = {(k, pause): sum(outcome_gated_cost(per, k, pause, round_ms[k + 1], step_ms) for per in accepted)
+                 for k in range(1, gamma + 1) if k + 1 in round_ms for pause in PAUSES}
+        if gated:
+            k, pause = min(gated, key=gated.get)
+            schedules.append((f"outcome-gated, fixed:{k}, pause {pause}", gated[k, pause]))
         schedules.append(("hindsight", sum(hindsight_cost(per, round_ms, step_ms) for per in accepted)))
         free = {b: ms - draft_ms[b] for b, ms in round_ms.items()}
         schedules.append(("hindsight, drafting free", sum(hindsight_cost(per, free, step_ms) for per in accepted)))
@@ -176,6 +203,7 @@ def main() -> int:
     print(json.dumps({"bench": "speculation_ceiling", "threads": args.threads, **cpu_description(),
                       "weights": setup.runner.weights, "drafter_weights": args.drafter_weights or "dense",
                       "torch": torch.__version__, "load_avg_1m": os.getloadavg()[0],
+                      "prompts": f"heldout:{args.heldout}" if args.heldout else f"e2e:{args.limit}",
                       "anchors": anchors_n, "target_step_ms": step_ms,
                       "round_ms": {str(b): round(ms, 3) for b, ms in round_ms.items()},
                       "draft_ms": {str(b): round(ms, 3) for b, ms in draft_ms.items()},

@@ -61,3 +61,25 @@ def test_fixed_cost_counts_rounds(ceiling):
     assert ceiling.fixed_cost([2, 0, 0, 0, 5, 1, 1], 2, 10.0) == (30.0, 3)
     # a drafter that is never right: every round commits the bonus token alone
     assert ceiling.fixed_cost([0] * 5, 3, 4.0) == (20.0, 5)
+
+
+def test_outcome_gated_cost_pauses_after_a_failed_first_draft(ceiling):
+    # k=2, pause 2: anchor 0 (a=0: 1 token, then 2 steps over anchors 1, 2) -> 3 (a=2: 3 tokens)
+    # -> 6 (a=0: 1 token; the pause runs out at the last anchor) -> done
+    accepted = [0, 5, 5, 2, 1, 1, 0]
+    assert ceiling.outcome_gated_cost(accepted, 2, 2, 10.0, 4.0) == pytest.approx(3 * 10.0 + 2 * 4.0)
+    # pause 0 is fixed:k
+    for k in (1, 2, 3):
+        assert ceiling.outcome_gated_cost(accepted, k, 0, 10.0, 4.0) == ceiling.fixed_cost(accepted, k, 10.0)[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_outcome_gated_never_beats_hindsight(ceiling, seed):
+    rng = random.Random(seed)
+    accepted = [rng.choice([0, 0, 1, 3, 7]) for _ in range(40)]
+    step_ms = 10.0
+    round_ms = {b: step_ms * (1.2 + 0.25 * b) for b in range(2, 9)}
+    best = ceiling.hindsight_cost(accepted, round_ms, step_ms)
+    for k in range(1, 8):
+        for pause in ceiling.PAUSES:
+            assert ceiling.outcome_gated_cost(accepted, k, pause, round_ms[k + 1], step_ms) >= best - 1e-9

@@ -275,9 +275,10 @@ def theta_curve(
     tau[0] = 0.0
     np.cumsum(survival_sorted, out=tau[1:])
     tau += num_requests
-    theta = tau * cost_table.round_rate_range(num_requests, n_cand + 1, objective)
+    steps = cost_table.round_step_range(num_requests, n_cand + 1)  # [N + 1] seconds
+    theta = tau * cost_table.rate(steps, objective, num_requests)
     if objective is ThetaObjective.SHARED_DEVICE:
-        theta[0] = num_requests * cost_table.round_rate_range(num_requests, 1, ThetaObjective.PAPER)[0]
+        theta[0] = num_requests * cost_table.rate(steps[0], ThetaObjective.PAPER, num_requests)
     return theta
 
 

@@ -184,7 +184,9 @@ class LevelFit:
 
     def above(self, n: np.ndarray) -> np.ndarray:
         """``level + slope * n`` with n clipped to the served range (same shape as n)."""
-        return self.level + self.slope * np.clip(n, self.n_min, self.n_max)
+        slope = self.slope  # the property's arithmetic once: `level` is this line at 0
+        level = (self.y_sum - slope * self.n_sum) / self.weight
+        return level + slope * np.clip(n, self.n_min, self.n_max)
 
 
 @dataclass
@@ -371,9 +373,10 @@ class CostTable:
                 above = above + donor.above(n) - donor.above(np.float64(0.0))
         return np.maximum(profile + above, MIN_STEP_FRACTION * profile)
 
-    def _rate(self, step: float | np.ndarray, objective: ThetaObjective,
-              num_requests: int | None) -> float | np.ndarray:
-        """Rounds per second of rounds whose target step takes `step` seconds."""
+    def rate(self, step: float | np.ndarray, objective: ThetaObjective,
+             num_requests: int | None) -> float | np.ndarray:
+        """Rounds per second of rounds whose target step takes `step` seconds (under
+        DISAGGREGATED and SHARED_DEVICE with the drafting time of `num_requests` requests)."""
         if objective is ThetaObjective.PAPER:
             return 1.0 / step
         if objective in (ThetaObjective.DISAGGREGATED, ThetaObjective.SHARED_DEVICE):
@@ -391,18 +394,23 @@ class CostTable:
     ) -> float | np.ndarray:
         """Rounds per second at B tokens, so that ``Theta = tau * round_rate(B, objective)``; with
         ``num_requests``, the learned level and drafting time of a round of that many requests."""
-        return self._rate(self.step_time(batch_tokens, num_requests), objective, num_requests)
+        return self.rate(self.step_time(batch_tokens, num_requests), objective, num_requests)
 
     def round_rate_range(
         self, num_requests: int, count: int, objective: ThetaObjective = ThetaObjective.PAPER
     ) -> np.ndarray:
         """Rounds per second of a round of R = ``num_requests`` requests verifying n = 0 ..
         count - 1 drafts, i.e. B = R .. R + count - 1: ``[count]`` float64."""
+        return self.rate(self.round_step_range(num_requests, count), objective, num_requests)
+
+    def round_step_range(self, num_requests: int, count: int) -> np.ndarray:
+        """Estimated target-step seconds of a round of R = ``num_requests`` requests verifying
+        n = 0 .. count - 1 drafts (B = R .. R + count - 1): ``[count]`` float64."""
         if num_requests < 1 or count < 0:
             raise ValueError(f"need num_requests >= 1 and count >= 0, got {num_requests}, {count}")
         b = np.arange(num_requests, num_requests + count)  # [count]
         profile = self._dense_upto(num_requests + count - 1)[b]  # [count]
-        return self._rate(self._lift(profile, b, num_requests), objective, num_requests)
+        return self._lift(profile, b, num_requests)
 
     # ----------------------------------------------------------------------------- online update
     def _fit(self, num_requests: int) -> RequestCountFit | None:

@@ -93,6 +93,18 @@ def test_array_lookup_equals_scalar_lookup():
         assert np.array_equal(table.round_rate_range(5, 300, objective), expected)
 
 
+def test_round_step_range_is_the_learned_step_time_of_each_round():
+    table = CostTable.from_step_seconds(STAIR)
+    for requests, tokens, seconds in [(3, 3, 0.03), (3, 6, 0.05), (3, 5, 0.045), (1, 1, 0.011)]:
+        table.observe(requests, tokens, seconds)
+    for requests in (1, 2, 3, 8):  # served, unserved (the nearest fit), and with no drafts seen
+        steps = table.round_step_range(requests, 12)
+        assert steps.tolist() == [table.step_time(requests + n, requests) for n in range(12)]
+        for objective in ThetaObjective:
+            assert np.array_equal(table.round_rate_range(requests, 12, objective),
+                                  table.rate(steps, objective, requests))
+
+
 def test_invalid_tables_and_lookups_raise():
     with pytest.raises(ValueError):
         CostTable([2, 1], [0.1, 0.1])

@@ -180,12 +180,16 @@ class LevelFit:
     @property
     def level(self) -> float:
         """The line at n = 0."""
-        return (self.y_sum - self.slope * self.n_sum) / self.weight
+        return self.line()[0]
+
+    def line(self) -> tuple[float, float]:
+        """(level, slope), the slope's sums read once."""
+        slope = self.slope
+        return (self.y_sum - slope * self.n_sum) / self.weight, slope
 
     def above(self, n: np.ndarray) -> np.ndarray:
         """``level + slope * n`` with n clipped to the served range (same shape as n)."""
-        slope = self.slope  # the property's arithmetic once: `level` is this line at 0
-        level = (self.y_sum - slope * self.n_sum) / self.weight
+        level, slope = self.line()
         return level + slope * np.clip(n, self.n_min, self.n_max)
 
 

@@ -75,21 +75,41 @@ class OneStream:
     table: object
     """The start-up cost table measured on the runner (each engine gets a copy)."""
 
-    def engines(self, policies: list[str]) -> dict[str, object]:
+    def engines(self, policies: list[str], variants: dict[str, dict] | None = None) -> dict[str, object]:
         """One engine per policy over the runner and drafter, max_running 1, warmed up (kernels
-        built, first-call costs paid)."""
+        built, first-call costs paid); `variants`: more engines, label -> (policy and other
+        EngineConfig fields by name, `EngineConfig.with_values`)."""
         from dspark.cost_table import CostTable
         from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
         from dspark.loading import build_engine
         from dspark.sampling import SamplingParams
 
-        engines = {policy: build_engine(self.runner, self.drafter, CostTable.from_dict(self.table.to_dict()),
-                                        EngineConfig(AdmissionConfig(policy=policy),
-                                                     batching=BatchingConfig(max_running=1)))
+        configs = {policy: EngineConfig(AdmissionConfig(policy=policy), batching=BatchingConfig(max_running=1))
                    for policy in policies}
+        for label, values in (variants or {}).items():
+            configs[label] = EngineConfig(batching=BatchingConfig(max_running=1)).with_values(**values)
+        engines = {label: build_engine(self.runner, self.drafter, CostTable.from_dict(self.table.to_dict()), config)
+                   for label, config in configs.items()}
         for engine in engines.values():
             engine.generate([self.prompts[0]], SamplingParams(temperature=0.0), 8, self.stops)
         return engines
+
+
+def parse_variant(text: str, policy: str) -> dict:
+    """`NAME=VALUE[,NAME=VALUE...]` (EngineConfig fields by name; values as Python literals where
+    they parse, else strings) over `policy`."""
+    import ast
+
+    values = {"policy": policy}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--variant wants NAME=VALUE, got {item!r}")
+        try:
+            values[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            values[name.strip()] = value.strip()
+    return values
 
 
 def add_one_stream_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,49 +168,61 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="async_topk")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=VALUE[,NAME=VALUE]: also run --policy with these EngineConfig fields "
+                             "(e.g. fresh_trim=False), in turns with the others; repeatable")
     add_one_stream_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     setup = one_stream(args, table_sizes=(1, 2, 4, 8, 16))
     prompts, stops = setup.prompts, setup.stops
-    engines = setup.engines([args.policy, "none"])
+    variants = {f"{args.policy} {v}": parse_variant(v, args.policy) for v in args.variant}
+    engines = setup.engines([args.policy, "none"], variants)
 
-    tally: dict = collections.defaultdict(collections.Counter)
+    tallies: dict[str, dict] = {label: collections.defaultdict(collections.Counter) for label in engines}
     walls: dict[str, list[float]] = {p: [] for p in engines}
     tokens: dict[str, int] = {}
     for _ in range(args.repeats):
-        for policy, engine in engines.items():
-            n, wall = run_prompts(engine, prompts, args.max_tokens, stops, tally)
-            walls[policy].append(wall)
-            tokens[policy] = n
+        for label, engine in engines.items():
+            n, wall = run_prompts(engine, prompts, args.max_tokens, stops, tallies[label])
+            walls[label].append(wall)
+            tokens[label] = n
 
     print(f"\nCPU: {cpu_line()}; torch threads {args.threads}; load average {os.getloadavg()[0]:.1f}; "
           f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, one stream, {args.repeats} repeats\n")
-    print("| mode | tokens verified | rounds | proposed | admitted | accepted | draft ms a round | verify ms a round | step ms a round |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| engine | mode | tokens verified | rounds | proposed | admitted | accepted | draft ms a round | verify ms a round | step ms a round |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
-    for (mode, b), row in sorted(tally.items(), key=lambda kv: kv[0]):
-        n = row["rounds"]
-        rows.append({"mode": mode, "batch_tokens": b, "rounds": n, "proposed": row["proposed"],
-                     "admitted": row["admitted"], "accepted": row["accepted"],
-                     "draft_ms": round(row["draft_s"] / n * 1e3, 2), "verify_ms": round(row["verify_s"] / n * 1e3, 2),
-                     "step_ms": round(row["step_s"] / n * 1e3, 2)})
-        r = rows[-1]
-        print(f"| {mode} | {b} | {n} | {r['proposed']} | {r['admitted']} | {r['accepted']} | {r['draft_ms']} | "
-              f"{r['verify_ms']} | {r['step_ms']} |")
-    learned = engines[args.policy].cost_table
-    draft_ms = round(learned.draft_time(1) * 1e3, 2)
-    steps_ms = [round(float(learned.step_time(b, 1)) * 1e3, 1) for b in range(1, 9)]
-    print(f"\nlearned at one request: drafting {draft_ms} ms a round; T(1..8) {steps_ms} ms")
-    for policy, w in walls.items():
-        print(f"{policy}: {tokens[policy]} tokens; wall s {[round(x, 2) for x in w]}; "
-              f"{tokens[policy] / statistics.median(w):.1f} tok/s (median)")
-    ratio = statistics.median(walls["none"]) / statistics.median(walls[args.policy])
-    print(f"{args.policy} / none: {ratio:.2f}x")
+    for label, tally in tallies.items():
+        for (mode, b), row in sorted(tally.items(), key=lambda kv: kv[0]):
+            n = row["rounds"]
+            rows.append({"engine": label, "mode": mode, "batch_tokens": b, "rounds": n, "proposed": row["proposed"],
+                         "admitted": row["admitted"], "accepted": row["accepted"],
+                         "draft_ms": round(row["draft_s"] / n * 1e3, 2), "verify_ms": round(row["verify_s"] / n * 1e3, 2),
+                         "step_ms": round(row["step_s"] / n * 1e3, 2)})
+            r = rows[-1]
+            print(f"| {label} | {mode} | {b} | {n} | {r['proposed']} | {r['admitted']} | {r['accepted']} | "
+                  f"{r['draft_ms']} | {r['verify_ms']} | {r['step_ms']} |")
+    learned = {}
+    for label in engines:
+        if label == "none":
+            continue
+        table = engines[label].cost_table
+        learned[label] = {"draft_ms": round(table.draft_time(1) * 1e3, 2),
+                          "step_ms": [round(float(table.step_time(b, 1)) * 1e3, 1) for b in range(1, 9)]}
+        print(f"\n{label}, learned at one request: drafting {learned[label]['draft_ms']} ms a round; "
+              f"T(1..8) {learned[label]['step_ms']} ms")
+    for label, w in walls.items():
+        print(f"{label}: {tokens[label]} tokens; wall s {[round(x, 2) for x in w]}; "
+              f"{tokens[label] / statistics.median(w):.1f} tok/s (median)")
+    ratios = {label: round(statistics.median(walls["none"]) / statistics.median(w), 3)
+              for label, w in walls.items() if label != "none"}
+    for label, ratio in ratios.items():
+        print(f"{label} / none: {ratio:.2f}x")
     print(json.dumps({"bench": "round_modes", "policy": args.policy, "threads": args.threads, **cpu_description(),
-                      "load_avg_1m": os.getloadavg()[0], "rounds": rows, "learned_draft_ms": draft_ms,
-                      "learned_step_ms": steps_ms, "wall_s": walls, "tokens": tokens, "ratio_vs_none": round(ratio, 3)}))
+                      "load_avg_1m": os.getloadavg()[0], "rounds": rows, "learned": learned,
+                      "wall_s": walls, "tokens": tokens, "ratio_vs_none": ratios}))
     return 0
 
 

@@ -158,6 +158,15 @@ class AdmissionConfig:
     CPU in bf16, rounds that the cost table expected to gain 5-10% lost 5%. 1.0: the
     plain argmax. K is still computed from old rounds only, so the margin keeps the output
     distribution exact."""
+    fresh_trim: bool = True
+    """``async_topk``: a round admits its top K fresh candidates only as far as they pay by its
+    own confidences (`stopping_count`: candidate i is admitted unless even i..K all surviving
+    as likely as i could not beat stopping before it; the drafting is paid by then, so a shared
+    device's rate is SPS(B)). K comes from running means of older rounds, which are high
+    just when a round of confident drafts lifted them: at one stream on a q4 CPU target the
+    rounds that verified drafts had been decided on 40.5 surviving drafts where their own
+    confidences gave 24.5 and the target accepted 20 (docs/results/target_decode_q4.md). On a
+    device whose step time does not grow with B the rule keeps all K. False: admit all K."""
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -311,6 +320,12 @@ def admit_top_k(candidates: Candidates, k: int) -> np.ndarray:
     return np.bincount(candidates.request[:k], minlength=candidates.num_requests).astype(np.int64)
 
 
+def objective_after_drafting(objective: ThetaObjective) -> ThetaObjective:
+    """The objective of a decision taken after the round drafted: its drafting is paid, so a
+    shared device's round rate is SPS(B), the paper's."""
+    return ThetaObjective.PAPER if objective is ThetaObjective.SHARED_DEVICE else objective
+
+
 def sync_greedy_count(
     candidates: Candidates, cost_table: CostTable, objective: ThetaObjective = ThetaObjective.PAPER
 ) -> int:
@@ -324,6 +339,42 @@ def sync_greedy_count(
     theta = theta_curve(candidates.survival, candidates.num_requests, cost_table, objective)
     stops = np.flatnonzero(theta[1:] <= theta[:-1])
     return int(stops[0]) if stops.size else len(candidates)
+
+
+def stopping_count(
+    candidates: Candidates, horizon: int, cost_table: CostTable,
+    objective: ThetaObjective = ThetaObjective.PAPER,
+) -> int:
+    """How many of the first ``horizon`` candidates to admit, decided as a stopping rule: stop
+    before candidate i when Theta(i - 1) is at least the best Theta over m = i..horizon with
+    candidates i..m all surviving a_i (the most any of them can, the order being by survival).
+
+    Admitting candidate i then depends only on survivals up to a_i and on ``horizon`` (decided
+    before drafting), never on what follows i: a request's draft x_j enters the verification
+    from c_1..c_j alone (c_j is computed before x_j is sampled), as the lossless verification
+    needs (docs/design.md section 6; tests/test_counterexample.py). Neither a global argmax
+    over the round's own curve nor a horizon at the number of candidates would do: c_(j+1),
+    computed from x_j, would decide whether x_j is verified (a zero survival drops a
+    candidate). Where the step time is a straight line in B this is `sync_greedy_count`'s early
+    stop (with constant survivals past i the optimistic Theta is monotone in m); where it jumps
+    (bucketed batch shapes) it climbs a step that pays back from a_i on.
+    """
+    n = min(len(candidates), horizon)
+    if n == 0:
+        return 0
+    r = candidates.num_requests
+    survival = candidates.survival[:n]  # [n]
+    tau = np.empty(n + 1, dtype=np.float64)  # [n + 1]: R + the first m survivals
+    tau[0] = r
+    np.cumsum(survival, out=tau[1:])
+    tau[1:] += r
+    rate = cost_table.rate(cost_table.round_step_range(r, horizon + 1), objective, r)  # [horizon + 1]
+    i = np.arange(1, n + 1)[:, None]  # [n, 1]: the candidate about to be admitted
+    m = np.arange(horizon + 1)[None, :]  # [1, horizon + 1]: an admission count
+    optimistic = (tau[i - 1] + (m - i + 1) * survival[i - 1]) * rate  # [n, horizon + 1]
+    best = np.where(m >= i, optimistic, -np.inf).max(axis=1)  # [n]
+    stops = np.flatnonzero(best <= tau[:-1] * rate[:n])
+    return int(stops[0]) if stops.size else n
 
 
 def admit_sync_greedy(
@@ -462,9 +513,9 @@ class AsyncTopKAdmission:
             prior = prior_candidates(num_requests, n, self.prior_confidence, max_lengths)
             k = self._decide(prior)[0]
         self.capacity_used = k
-        # 2. Admit the top-K fresh candidates.
+        # 2. Admit the top-K fresh candidates (those of them that pay, with fresh_trim).
         candidates = sorted_candidates(a, max_lengths)
-        lengths = admit_top_k(candidates, k)
+        lengths = admit_top_k(candidates, self._fresh_count(candidates, k))
         # 3. From this step's information, the K of step t + lag; forget steps already past.
         self._update_means(c)
         if block_size is not None and block_size > n:
@@ -475,6 +526,14 @@ class AsyncTopKAdmission:
             candidates = sorted_candidates(survival_probs(extended), caps)
         self._hand_on(step_index, self._decide(candidates))
         return lengths
+
+    def _fresh_count(self, candidates: Candidates, k: int) -> int:
+        """How many of the top k fresh candidates this round admits: all k, or with
+        ``fresh_trim`` as many as `stopping_count` lets in."""
+        if not self.config.fresh_trim or k == 0:
+            return k
+        return stopping_count(candidates, k, self.cost_table,
+                              objective_after_drafting(self.objective))
 
     def _decide(self, candidates: Candidates) -> tuple[int, float]:
         """(K, gain) from these candidates and the cost table as it stands (capacity_and_gain)."""
@@ -591,12 +650,9 @@ class Admitter:
         if kind is PolicyKind.THRESHOLD:
             return admit_threshold(c, policy.threshold, max_lengths)
         if kind is PolicyKind.SYNC_GREEDY:
-            # Its confidences come from this round's drafts: the drafting is already paid, so
-            # a shared device's round rate is SPS(B), the paper's.
-            objective = self.config.objective
-            if objective is ThetaObjective.SHARED_DEVICE:
-                objective = ThetaObjective.PAPER
-            return admit_sync_greedy(c, self.cost_table, max_lengths, objective)
+            # Its confidences come from this round's drafts.
+            return admit_sync_greedy(c, self.cost_table, max_lengths,
+                                     objective_after_drafting(self.config.objective))
         if kind is PolicyKind.ASYNC_TOPK:
             return self.async_topk.admit(c, step_index, max_lengths, block_size)
         raise AssertionError(f"unhandled policy {kind}")

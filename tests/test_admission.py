@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -21,7 +22,9 @@ from dspark.admission import (
     best_capacity,
     prior_candidates,
     sorted_candidates,
+    stopping_count,
     survival_probs,
+    sync_greedy_count,
     theta_curve,
 )
 from dspark.cost_table import CostTable, ThetaObjective
@@ -360,6 +363,68 @@ def test_sync_greedy_counts_drafting_as_paid_under_shared_device():
 
 
 # ------------------------------------------------------------------------------------- async lag
+def test_fresh_trim_admits_the_stopping_count_of_the_lagged_top_k():
+    """With fresh_trim the K still comes from two rounds before; the round admits the first
+    stopping_count of its own top K (drafting paid: the paper's objective), never more."""
+    rng = np.random.default_rng(16)
+    table = CostTable.from_step_seconds({b: 0.03 + 0.002 * b for b in range(1, 65)})
+    num_requests, gamma = 3, 6
+    trimmed, whole = async_topk(table, lag=2), async_topk(table, lag=2, fresh_trim=False)
+    cut = 0
+    for step in range(40):
+        c = rng.uniform(0.0, 1.0, size=(num_requests, gamma)) ** rng.uniform(0.1, 3.0)
+        lengths, all_k = trimmed.admit(c, step), whole.admit(c, step)
+        k = trimmed.capacity_used
+        assert k == whole.capacity_used  # the trim never changes K
+        cand = sorted_candidates(survival_probs(c))
+        assert all_k.tolist() == admit_top_k(cand, k).tolist()
+        expected = admit_top_k(cand, stopping_count(cand, k, table))
+        assert lengths.tolist() == expected.tolist() and (lengths <= all_k).all()
+        cut += int(lengths.sum() < all_k.sum())
+    assert cut >= 3  # the instance trims
+
+
+def test_stopping_count_is_the_early_stop_where_the_step_time_is_a_straight_line():
+    rng = np.random.default_rng(17)
+    for _ in range(200):
+        base, slope = rng.uniform(0.005, 0.05), rng.uniform(0.0, 0.02)
+        table = CostTable.from_step_seconds({b: base + slope * b for b in (1, 2, 64)})
+        num_requests, gamma = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        cand = sorted_candidates(survival_probs(random_confidences(rng, num_requests, gamma)))
+        assert stopping_count(cand, len(cand), table) == sync_greedy_count(cand, table)
+
+
+def test_stopping_count_admits_each_candidate_from_the_survivals_up_to_it():
+    """The lossless condition: whether candidate i is admitted must not depend on any survival
+    after it (those depend on the draft at i), nor on how many candidates there are (a zero
+    survival drops one). Brute force: every tail after i redrawn below a_i, or cut off."""
+    rng = np.random.default_rng(18)
+    tables = [CostTable.from_step_seconds({1: 1.0, 4: 1.0, 5: 1.5, 8: 1.5, 9: 2.4, 12: 2.4, 64: 9.0}),
+              CostTable.from_step_seconds({b: 0.03 + 0.0004 * b * b for b in range(1, 65)})]
+    for _ in range(150):
+        table = tables[int(rng.integers(2))]
+        num_requests, gamma = int(rng.integers(1, 5)), int(rng.integers(1, 7))
+        cand = sorted_candidates(survival_probs(random_confidences(rng, num_requests, gamma)))
+        horizon = int(rng.integers(0, len(cand) + 3))
+        count = stopping_count(cand, horizon, table)
+        assert 0 <= count <= min(horizon, len(cand))
+        for i in range(1, min(horizon, len(cand)) + 1):  # candidate i, 1-based
+            keep = cand.survival[:i]
+            tail = np.sort(rng.uniform(0.0, keep[-1], size=int(rng.integers(0, 6))))[::-1]
+            other = dataclasses.replace(cand, survival=np.concatenate([keep, tail]),
+                                        request=np.zeros(i + tail.size, dtype=np.int64),
+                                        position=np.arange(1, i + tail.size + 1))
+            assert (stopping_count(other, horizon, table) >= i) == (count >= i)
+
+
+def test_stopping_count_climbs_a_step_that_pays_back():
+    table = sawtooth_table()
+    cand = sorted_candidates(survival_probs(np.full((4, 2), 0.95)))
+    assert sync_greedy_count(cand, table) == 0  # the early stop halts at the cliff
+    assert stopping_count(cand, 4, table) == 4 == best_capacity(cand, table)
+    assert stopping_count(cand, 1, table) == 0  # one draft does not pay for the step to B = 5
+
+
 def test_async_capacity_comes_from_two_steps_before():
     rng = np.random.default_rng(6)
     table = CostTable.from_step_seconds({b: 0.03 + 0.0002 * b + 0.000002 * b * b for b in range(1, 401)})
@@ -368,12 +433,12 @@ def test_async_capacity_comes_from_two_steps_before():
     levels = [0.9, 0.2, 0.5, 0.85, 0.3, 0.6, 0.1, 0.9]
     history = [rng.uniform(lo, lo + 0.1, size=(num_requests, gamma)) for lo in levels]
     fresh_k_differs = 0
-    first = async_topk(table, lag=2)
+    first = async_topk(table, lag=2, fresh_trim=False)  # every one of the top K (trim: below)
     for step, c in enumerate(history):
         lengths = first.admit(c, step)
         # An admitter with the same history up to step t-1 but a different step-t block: step t's
         # confidences must not change step t's K.
-        second = async_topk(table, lag=2)
+        second = async_topk(table, lag=2, fresh_trim=False)
         for old_step in range(step):
             second.admit(history[old_step], old_step)
         other = rng.uniform(0.0, 1.0, size=c.shape)

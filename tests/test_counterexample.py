@@ -29,6 +29,7 @@ from dspark.admission import (
     best_capacity,
     prior_candidates,
     sorted_candidates,
+    stopping_count,
     survival_probs,
     theta_curve,
 )
@@ -106,7 +107,9 @@ def async_lengths(x1: torch.Tensor, table: CostTable) -> tuple[np.ndarray, np.nd
     prior = best_capacity(prior_candidates(1, 2, AdmissionConfig().prior_confidence), table)
     capacities = np.full(x1_np.shape[0], prior, dtype=np.int64)  # warm-up: rounds 0 and 1
     capacities[2:] = np.where(x1_np[:-2] == A, k_from[A], k_from[B])
-    admitted_if = {t: [int(admit_top_k(cand[t], k)[0]) for k in range(3)] for t in (A, B)}
+    # the round admits the stopping count of its own top K (AdmissionConfig.fresh_trim)
+    admitted_if = {t: [int(admit_top_k(cand[t], stopping_count(cand[t], k, table))[0]) for k in range(3)]
+                   for t in (A, B)}
     lengths = np.where(x1_np == A, np.take(admitted_if[A], capacities), np.take(admitted_if[B], capacities))
 
     admitter = Admitter(AdmissionConfig(policy="async_topk", objective=ThetaObjective.PAPER), table)

@@ -123,7 +123,7 @@ def add_one_stream_arguments(parser: argparse.ArgumentParser) -> None:
                              "--answers (prompts the drafter never trained on, from its own data)")
     parser.add_argument("--answers", default=str(REPO_ROOT / "data" / "answers" / "greedy.jsonl.gz"))
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--weights", default=None, help="the target's: q4, float32, bfloat16 (default: the CPU's)")
+    parser.add_argument("--weights", default=None, help="the target's: q4 or dense (default: the CPU's)")
     parser.add_argument("--drafter-weights", default=None, choices=["q8", "dense"],
                         help="the drafter's (dspark.loading.choose_drafter_weights; default dense)")
     parser.add_argument("--threads", type=int, default=1)

@@ -80,16 +80,15 @@ class OneStream:
         built, first-call costs paid); `variants`: more engines, label -> (policy and other
         EngineConfig fields by name, `EngineConfig.with_values`)."""
         from dspark.cost_table import CostTable
-        from dspark.engine import AdmissionConfig, BatchingConfig, EngineConfig
+        from dspark.engine import BatchingConfig, EngineConfig
         from dspark.loading import build_engine
         from dspark.sampling import SamplingParams
 
-        configs = {policy: EngineConfig(AdmissionConfig(policy=policy), batching=BatchingConfig(max_running=1))
-                   for policy in policies}
-        for label, values in (variants or {}).items():
-            configs[label] = EngineConfig(batching=BatchingConfig(max_running=1)).with_values(**values)
-        engines = {label: build_engine(self.runner, self.drafter, CostTable.from_dict(self.table.to_dict()), config)
-                   for label, config in configs.items()}
+        specs = {policy: {"policy": policy} for policy in policies} | (variants or {})
+        base = EngineConfig(batching=BatchingConfig(max_running=1))
+        engines = {label: build_engine(self.runner, self.drafter, CostTable.from_dict(self.table.to_dict()),
+                                       base.with_values(**values))
+                   for label, values in specs.items()}
         for engine in engines.values():
             engine.generate([self.prompts[0]], SamplingParams(temperature=0.0), 8, self.stops)
         return engines

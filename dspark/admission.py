@@ -268,6 +268,15 @@ def sorted_candidates(a: np.ndarray, max_lengths: Any = None, positive_only: boo
     )
 
 
+def expected_tokens(survival_sorted: np.ndarray, num_requests: int) -> np.ndarray:
+    """``R + the sum of the first n survivals`` for n = 0..N: a round's expected committed
+    tokens (one bonus token a request) when it admits the first n candidates, ``[N + 1]``."""
+    tau = np.empty(survival_sorted.shape[0] + 1, dtype=np.float64)  # [N + 1]
+    tau[0] = 0.0
+    np.cumsum(survival_sorted, out=tau[1:])
+    return tau + num_requests
+
+
 def theta_curve(
     survival_sorted: np.ndarray,
     num_requests: int,
@@ -280,10 +289,7 @@ def theta_curve(
     :attr:`ThetaObjective.SHARED_DEVICE` the round with n = 0 does not draft, so its rate is SPS(R).
     """
     n_cand = survival_sorted.shape[0]
-    tau = np.empty(n_cand + 1, dtype=np.float64)  # [N + 1]
-    tau[0] = 0.0
-    np.cumsum(survival_sorted, out=tau[1:])
-    tau += num_requests
+    tau = expected_tokens(survival_sorted, num_requests)  # [N + 1]
     steps = cost_table.round_step_range(num_requests, n_cand + 1)  # [N + 1] seconds
     theta = tau * cost_table.rate(steps, objective, num_requests)
     if objective is ThetaObjective.SHARED_DEVICE:
@@ -364,10 +370,7 @@ def stopping_count(
         return 0
     r = candidates.num_requests
     survival = candidates.survival[:n]  # [n]
-    tau = np.empty(n + 1, dtype=np.float64)  # [n + 1]: R + the first m survivals
-    tau[0] = r
-    np.cumsum(survival, out=tau[1:])
-    tau[1:] += r
+    tau = expected_tokens(survival, r)  # [n + 1]
     rate = cost_table.rate(cost_table.round_step_range(r, horizon + 1), objective, r)  # [horizon + 1]
     i = np.arange(1, n + 1)[:, None]  # [n, 1]: the candidate about to be admitted
     m = np.arange(horizon + 1)[None, :]  # [1, horizon + 1]: an admission count

@@ -146,3 +146,25 @@ def test_one_row_paths_bit_identical():
             assert torch.equal(first, per_block), (fmt, in_features)
             reference = x.double() @ dequantize(w).double().T + bias.double()
             torch.testing.assert_close(first.double(), reference, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(" avx512f" not in _cpu_flags(), reason="needs an AVX-512 CPU")
+def test_strip_widening_paths_bit_identical():
+    """More than 4 rows with the strip widened inside the first row tile (`widening_tile`: the
+    Intel default) and in a pass of its own (`widen_strip`: the AMD default) give the same bits:
+    5, 8, 11 and 16 rows, and 37 (past the 32-row chunk, whose second chunk of 5 widens again),
+    over one, three and four and one blocks of inputs, with a partial tile of outputs (42)."""
+    builds = {"first_pass": ("-DDSPARK_WIDEN_IN_FIRST_PASS=1",), "own_pass": ("-DDSPARK_WIDEN_IN_FIRST_PASS=0",)}
+    exts = {k: build_kernel(_kernel_name(flags), flags) for k, flags in builds.items()}
+    bias = torch.randn(42)
+    for in_features in (32, 576, 2080):
+        for rows in (5, 8, 11, 16, 37):
+            x = torch.randn(rows, in_features)
+            for fmt in BlockFormat:
+                w = random_blocks(fmt, 42, in_features, seed=5)
+                linear = f"{fmt.name.lower()}_linear"
+                fused, own = (getattr(exts[k], linear)(x, w.blocks, bias) for k in ("first_pass", "own_pass"))
+                assert torch.equal(fused, own), (fmt, in_features, rows)
+                reference = x.double() @ dequantize(w).double().T + bias.double()
+                torch.testing.assert_close(fused.double(), reference, rtol=1e-5, atol=1e-4)

@@ -353,15 +353,19 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
 // products widened from scales converted ahead of each tile ran at 0.89x the speed of `tile`'s
 // (docs/results/q4_kernel.md); on the AVX2 path `widen_scaled` is `widen`. Both give the same
 // bits; -DDSPARK_ONE_ROW_SCALES_FIRST=0 or 1 fixes the choice at build time (the tests do).
-inline bool one_row_scales_first() {
-#if defined(DSPARK_ONE_ROW_SCALES_FIRST)
-    return DSPARK_ONE_ROW_SCALES_FIRST;
-#elif defined(__AVX512F__)
+inline bool intel_cpu() {
     static const bool intel = [] {
         __builtin_cpu_init();
         return __builtin_cpu_is("intel") != 0;
     }();
     return intel;
+}
+
+inline bool one_row_scales_first() {
+#if defined(DSPARK_ONE_ROW_SCALES_FIRST)
+    return DSPARK_ONE_ROW_SCALES_FIRST;
+#elif defined(__AVX512F__)
+    return intel_cpu();
 #else
     return false;
 #endif
@@ -398,16 +402,15 @@ inline void one_row_tile(const float* x, int64_t in, const uint8_t* w, int64_t r
 // A few rows without the strip: NT outputs by RT rows, each output's block widened in registers and
 // used at once for all RT rows (only one output's widened weights live at a time, beside the RT
 // rows' inputs of the block, pinned, and the RT x NT accumulators). The same fused multiply-adds in
-// the same order as `tile`: only the instruction schedule differs.
-template <Format F, int NT, int RT>
-inline void direct_tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
-                        int64_t n0, int64_t r0, const float* bias, float* y, int64_t out) {
+// the same order as `tile`: only the instruction schedule differs. With STORE, every widened block
+// also goes into `strip` ([NT][in], as `widen_strip` writes it) for later rows to read.
+template <Format F, int NT, int RT, bool STORE>
+inline void direct_blocks(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                          int64_t n0, int64_t r0, int64_t out, Vec (&acc)[RT][NT], float* strip) {
     constexpr int64_t bb = block_bytes(F);
     const int64_t nb = in / QK;
     const uint8_t* ahead = w + (n0 + PREFETCH_ROWS) * row_bytes;
     const uint8_t* end = w + out * row_bytes;
-    Vec acc[RT][NT];
-    zero_tile<NT, RT>(acc);
     for (int64_t b = 0; b < nb; ++b) {
         prefetch_span(ahead + b * NT * bb, NT * bb, end);
         Vec xlo[RT], xhi[RT];
@@ -421,11 +424,39 @@ inline void direct_tile(const float* x, int64_t in, const uint8_t* w, int64_t ro
         for (int n = 0; n < NT; ++n) {
             Vec wlo, whi;
             widen(F, w + (n0 + n) * row_bytes + b * bb, wlo, whi);
+            if constexpr (STORE) {
+                store(strip + n * in + b * QK, wlo);
+                store(strip + n * in + b * QK + 16, whi);
+            }
             for (int r = 0; r < RT; ++r) acc[r][n] = fma(xhi[r], whi, fma(xlo[r], wlo, acc[r][n]));
         }
     }
+}
+
+template <Format F, int NT, int RT>
+inline void direct_tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                        int64_t n0, int64_t r0, const float* bias, float* y, int64_t out) {
+    Vec acc[RT][NT];
+    zero_tile<NT, RT>(acc);
+    direct_blocks<F, NT, RT, false>(x, in, w, row_bytes, n0, r0, out, acc, nullptr);
     store_tile_each<NT, RT>(acc, r0, n0, bias, y, out);
 }
+
+#if defined(__AVX512F__)
+// The first RT rows of a strip chunk as `direct_tile`, the strip widened as they go (`widen_in_first_pass`):
+// the widening runs beside these rows' multiply-adds instead of in a pass of its own before them,
+// and the later rows' strip tiles read it. The same widened values and multiply-adds in the same
+// order: the same bits. Its lane sums by the shared tree (with `store_tile_each` a step's products
+// took 1.07-1.11x longer at 8 and 16 rows on a Xeon).
+template <Format F, int NT, int RT>
+inline void widening_tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                          int64_t n0, int64_t r0, const float* bias, float* y, int64_t out, float* strip) {
+    Vec acc[RT][NT];
+    zero_tile<NT, RT>(acc);
+    direct_blocks<F, NT, RT, true>(x, in, w, row_bytes, n0, r0, out, acc, strip);
+    store_tile<NT, RT>(acc, r0, n0, bias, y, out);
+}
+#endif
 
 // Outputs per tile (the strip: OUT_TILE x in float32, 24 KB at in = 1536, inside a 32 KB L1),
 // and for several rows the register tile of STRIP_ROWS rows by STRIP_OUTS outputs (AVX-512: 16
@@ -460,6 +491,23 @@ constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS 
 // 48 KB, but with spans of 24 blocks a step's products ran at 0.89-1.0x and 0.97-1.03x the rate
 // without, at 5-64 rows, in two runs on a Zen 4 (`bench/q4_kernel_versions.py`; one pass per tile
 // there, no second half to re-read the row from L2).
+// Whether a strip chunk of more than STRIP_ROWS rows widens its strip inside its first row tile
+// (`widening_tile`) instead of in a pass of its own (`widen_strip`): on Intel CPUs with AVX-512.
+// On a 2-core Xeon (amx_bf16), one thread, a step's products took 1.22x, 1.17x, 1.16x, 1.08x and
+// 1.07x less time at 5, 6, 8, 16 and 64 rows (`bench/q4_kernel_versions.py`,
+// docs/results/q4_kernel.md). Not measured on a Zen 4, where widening the next tile's strip
+// inside the first pass ran at 0.95x; both give the same bits, and
+// -DDSPARK_WIDEN_IN_FIRST_PASS=0 or 1 fixes the choice at build time (the tests do).
+inline bool widen_in_first_pass() {
+#if defined(DSPARK_WIDEN_IN_FIRST_PASS)
+    return DSPARK_WIDEN_IN_FIRST_PASS;
+#elif defined(__AVX512F__)
+    return intel_cpu();
+#else
+    return false;
+#endif
+}
+
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int64_t SPAN_BLOCKS = 24;
 #else
@@ -678,6 +726,7 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
         return;
     }
     const int64_t tiles = (out + OUT_TILE - 1) / OUT_TILE;
+    [[maybe_unused]] const bool widen_first = widen_in_first_pass();
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
         std::vector<float> strip_buf(OUT_TILE * in);
         float* strip = strip_buf.data();
@@ -690,6 +739,13 @@ void products(const float* xp, int64_t rows, int64_t in, const uint8_t* wp, int6
                         for (int64_t r = rc; r < rend; ++r) tile<F, 1, 1>(xp, in, wp, row_bytes, n, r, bp, yp, out);
                     continue;
                 }
+#if defined(__AVX512F__)
+                if (widen_first && rend - rc > STRIP_ROWS) {  // widened beside rows rc .. rc + 3
+                    widening_tile<F, OUT_TILE, STRIP_ROWS>(xp, in, wp, row_bytes, n0, rc, bp, yp, out, strip);
+                    strip_rows(xp, in, strip, n0, rc + STRIP_ROWS, rend, bp, yp, out);
+                    continue;
+                }
+#endif
                 widen_strip<F>(wp, row_bytes, out, n0, OUT_TILE, in, strip);
                 strip_rows(xp, in, strip, n0, rc, rend, bp, yp, out);
             }

@@ -349,10 +349,7 @@ inline void tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes
     store_tile<NT, RT>(acc, r0, n0, bias, y, out);
 }
 
-// Whether one-row products take `one_row_tile`: on Intel CPUs with AVX-512. On a Zen 4, one-row
-// products widened from scales converted ahead of each tile ran at 0.89x the speed of `tile`'s
-// (docs/results/q4_kernel.md); on the AVX2 path `widen_scaled` is `widen`. Both give the same
-// bits; -DDSPARK_ONE_ROW_SCALES_FIRST=0 or 1 fixes the choice at build time (the tests do).
+// Whether this process runs on an Intel CPU (asked once); the kernel choices below go by it.
 inline bool intel_cpu() {
     static const bool intel = [] {
         __builtin_cpu_init();
@@ -361,9 +358,30 @@ inline bool intel_cpu() {
     return intel;
 }
 
+// Whether one-row products take `one_row_tile`: on Intel CPUs with AVX-512. On a Zen 4, one-row
+// products widened from scales converted ahead of each tile ran at 0.89x the speed of `tile`'s
+// (docs/results/q4_kernel.md); on the AVX2 path `widen_scaled` is `widen`. Both give the same
+// bits; -DDSPARK_ONE_ROW_SCALES_FIRST=0 or 1 fixes the choice at build time (the tests do).
 inline bool one_row_scales_first() {
 #if defined(DSPARK_ONE_ROW_SCALES_FIRST)
     return DSPARK_ONE_ROW_SCALES_FIRST;
+#elif defined(__AVX512F__)
+    return intel_cpu();
+#else
+    return false;
+#endif
+}
+
+// Whether a strip chunk of more than 4 rows (STRIP_ROWS) widens its strip inside its first row tile
+// (`widening_tile`) instead of in a pass of its own (`widen_strip`): on Intel CPUs with AVX-512.
+// On a 2-core Xeon (amx_bf16), one thread, a step's products took 1.22x, 1.15x, 1.14x, 1.07x and
+// 1.04x less time at 5, 6, 8, 16 and 64 rows (`bench/q4_kernel_versions.py`,
+// docs/results/q4_kernel.md). Not measured on a Zen 4, where widening the next tile's strip
+// inside the first pass ran at 0.95x; both give the same bits, and
+// -DDSPARK_WIDEN_IN_FIRST_PASS=0 or 1 fixes the choice at build time (the tests do).
+inline bool widen_in_first_pass() {
+#if defined(DSPARK_WIDEN_IN_FIRST_PASS)
+    return DSPARK_WIDEN_IN_FIRST_PASS;
 #elif defined(__AVX512F__)
     return intel_cpu();
 #else
@@ -491,23 +509,6 @@ constexpr int OUT_TILE = 4, STRIP_ROWS = 4, STRIP_OUTS = 2, N1 = 2, DIRECT_ROWS 
 // 48 KB, but with spans of 24 blocks a step's products ran at 0.89-1.0x and 0.97-1.03x the rate
 // without, at 5-64 rows, in two runs on a Zen 4 (`bench/q4_kernel_versions.py`; one pass per tile
 // there, no second half to re-read the row from L2).
-// Whether a strip chunk of more than STRIP_ROWS rows widens its strip inside its first row tile
-// (`widening_tile`) instead of in a pass of its own (`widen_strip`): on Intel CPUs with AVX-512.
-// On a 2-core Xeon (amx_bf16), one thread, a step's products took 1.22x, 1.17x, 1.16x, 1.08x and
-// 1.07x less time at 5, 6, 8, 16 and 64 rows (`bench/q4_kernel_versions.py`,
-// docs/results/q4_kernel.md). Not measured on a Zen 4, where widening the next tile's strip
-// inside the first pass ran at 0.95x; both give the same bits, and
-// -DDSPARK_WIDEN_IN_FIRST_PASS=0 or 1 fixes the choice at build time (the tests do).
-inline bool widen_in_first_pass() {
-#if defined(DSPARK_WIDEN_IN_FIRST_PASS)
-    return DSPARK_WIDEN_IN_FIRST_PASS;
-#elif defined(__AVX512F__)
-    return intel_cpu();
-#else
-    return false;
-#endif
-}
-
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int64_t SPAN_BLOCKS = 24;
 #else
